@@ -1,0 +1,52 @@
+# tandem — the two commands: `make demo` (main job on the CPU default) and `make test`.
+# Everything else is a building block of those two.
+PYTHON ?= python3
+CONFIG ?= configs/demo_cpu.yaml
+GPUS ?= 0
+STAMP := .make/installed
+
+.PHONY: install test test-gpu demo data tiny-model launch-rollout stage-b bench docs plot clean
+
+$(STAMP): pyproject.toml
+	@mkdir -p .make
+	@# torch first: 2.13.0 is the local CPU wheel; a bare range would pull GBs of CUDA packages.
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+data: $(STAMP)
+	$(PYTHON) -m common.synthetic --out artifacts/data/synth --n 96 --seed 0
+
+tiny-model: $(STAMP)
+	$(PYTHON) tools/make_tiny_model.py --out artifacts/tiny-model
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q -m "not gpu" --durations=15
+
+test-gpu: $(STAMP)
+	$(PYTHON) -m pytest -q -m gpu -rs
+
+demo: $(STAMP) data tiny-model
+	$(PYTHON) -m launcher --config $(CONFIG)
+
+launch-rollout: $(STAMP)
+	$(PYTHON) -m rollout_server --config $(CONFIG)
+
+stage-b: $(STAMP) tiny-model
+	$(PYTHON) -m stage_b.launch --gpus $(GPUS) --config configs/stage_b/demo_cpu.yaml
+
+bench: $(STAMP) data tiny-model
+	$(PYTHON) bench/bench_rollout_server.py
+	$(PYTHON) bench/bench_actor.py
+	$(PYTHON) bench/bench_learner.py
+
+docs: $(STAMP)
+	$(PYTHON) -m common.config --markdown > docs/config.md
+
+plot: $(STAMP)
+	$(PYTHON) -m learner.plot runs/demo
+
+clean:
+	rm -rf .make runs artifacts

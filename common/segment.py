@@ -1,0 +1,239 @@
+"""The unit of training data: a teacher-forced *segment* and a version-pure *pack* of segments.
+
+Both channels produce the same thing. Channel-A (learner, canonical GT targets) and Channel-B
+(actor, matched rollout targets) each encode one sample into a :class:`Segment`; the packer
+(`common/packing.py`) concatenates segments of one ``ver`` into a :class:`Pack`; a pack is exactly
+one packed forward/backward on a learner rank.
+
+Everything here is numpy so that ``common`` stays free of torch; the learner turns a pack into
+tensors with ``torch.from_numpy`` (no copy).
+
+Position conventions (all segment-local, 0-based, over ``input_ids``):
+  - ``labels[p]`` is the token the model must predict *at* position p, i.e. from the logits at p-1;
+    ``-100`` means "no CE here". Coord tokens always carry ``-100`` (they are supervised by geometry).
+  - ``weights[p]`` is the CE weight for ``labels[p]`` (0 where ``labels[p] == -100``).
+  - ``coord_pos`` lists positions of coord tokens supervised by geometry, in groups of four
+    (x1, y1, x2, y2 of one box); ``coord_bins`` are the ground-truth bins 0..999 at those positions.
+  - ``position_ids`` are the model's own rope positions for this segment alone ([3, L] for the
+    mRoPE Qwen-VL family, [1, L] otherwise); text positions restart at 0 in every segment.
+
+What this module does not know: tokenizers, models, or how targets were chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+#: Names, dtypes and ranks of the arrays a pack carries on the wire (see ``Pack.tensors``).
+PACK_TENSOR_SPECS: dict[str, tuple[str, int]] = {
+    "input_ids": ("int64", 1),  # [T]
+    "labels": ("int64", 1),  # [T]
+    "weights": ("float32", 1),  # [T]
+    "position_ids": ("int64", 2),  # [R, T], R = 3 for mRoPE models, 1 otherwise
+    "cu_seqlens": ("int32", 1),  # [n_segments + 1], cu_seqlens[0] = 0, cu_seqlens[-1] = T
+    "coord_pos": ("int64", 1),  # [M], pack-absolute positions, M % 4 == 0
+    "coord_bins": ("int64", 1),  # [M], 0..999
+    "pixel_values": ("float32", 2),  # [P, D] patches of every image in the pack (P may be 0)
+    "image_grid_thw": ("int64", 2),  # [I, 3] one row per image, in segment order
+}
+
+
+class SegmentError(ValueError):
+    """A segment or pack violates the layout contract above."""
+
+
+@dataclass
+class Segment:
+    """One sample, teacher-forced and encoded; atomic (never split across packs)."""
+
+    sample_id: str
+    channel: str  # "A" or "B"
+    ver: int  # server weight version the rollout ran under (Channel-A: the learner's ver)
+    input_ids: np.ndarray
+    labels: np.ndarray
+    weights: np.ndarray
+    position_ids: np.ndarray
+    coord_pos: np.ndarray
+    coord_bins: np.ndarray
+    pixel_values: np.ndarray
+    image_grid_thw: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON/msgpack-safe counters (parse, match)
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def validate(self) -> None:
+        """Raise :class:`SegmentError` naming the first broken invariant."""
+        n = self.length
+        if self.channel not in ("A", "B"):
+            raise SegmentError(f"segment {self.sample_id}: channel must be 'A' or 'B', got {self.channel!r}")
+        for name in ("labels", "weights"):
+            if getattr(self, name).shape != (n,):
+                raise SegmentError(f"segment {self.sample_id}: {name} shape {getattr(self, name).shape} != ({n},)")
+        if self.position_ids.ndim != 2 or self.position_ids.shape[1] != n:
+            raise SegmentError(f"segment {self.sample_id}: position_ids shape {self.position_ids.shape} != (R, {n})")
+        if self.coord_pos.shape != self.coord_bins.shape or self.coord_pos.shape[0] % 4:
+            raise SegmentError(f"segment {self.sample_id}: coord_pos/coord_bins must be equal length, multiple of 4")
+        if self.coord_pos.size and (self.coord_pos.min() < 1 or self.coord_pos.max() >= n):
+            raise SegmentError(f"segment {self.sample_id}: coord_pos outside [1, {n})")
+        if self.coord_bins.size and (self.coord_bins.min() < 0 or self.coord_bins.max() > 999):
+            raise SegmentError(f"segment {self.sample_id}: coord_bins outside 0..999")
+        if self.image_grid_thw.ndim != 2 or self.image_grid_thw.shape[1] != 3:
+            raise SegmentError(f"segment {self.sample_id}: image_grid_thw must be [I, 3]")
+        patches = int(np.prod(self.image_grid_thw, axis=1).sum()) if self.image_grid_thw.size else 0
+        if self.pixel_values.shape[0] != patches:
+            raise SegmentError(
+                f"segment {self.sample_id}: pixel_values has {self.pixel_values.shape[0]} rows, "
+                f"image_grid_thw implies {patches}"
+            )
+
+
+@dataclass
+class Pack:
+    """Segments of one ``ver`` concatenated into one row; one forward/backward on the learner."""
+
+    ver: int
+    channel: str
+    segments: list[Segment]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """Concatenate segment arrays into the wire layout of ``PACK_TENSOR_SPECS``."""
+        if not self.segments:
+            raise SegmentError("a pack needs at least one segment")
+        vers = {s.ver for s in self.segments}
+        if vers != {self.ver}:
+            raise SegmentError(f"pack ver {self.ver} holds segments of vers {sorted(vers)}: packs are version-pure")
+        offsets = np.cumsum([0] + [s.length for s in self.segments])
+        d = int(max((s.pixel_values.shape[1] for s in self.segments if s.pixel_values.size), default=0))
+        return {
+            "input_ids": np.concatenate([s.input_ids for s in self.segments]).astype(np.int64, copy=False),
+            "labels": np.concatenate([s.labels for s in self.segments]).astype(np.int64, copy=False),
+            "weights": np.concatenate([s.weights for s in self.segments]).astype(np.float32, copy=False),
+            "position_ids": np.concatenate([s.position_ids for s in self.segments], axis=1).astype(np.int64),
+            "cu_seqlens": offsets.astype(np.int32),
+            "coord_pos": np.concatenate([s.coord_pos + o for s, o in zip(self.segments, offsets)]).astype(np.int64),
+            "coord_bins": np.concatenate([s.coord_bins for s in self.segments]).astype(np.int64),
+            "pixel_values": np.concatenate(
+                [s.pixel_values.reshape(-1, d) if d else np.zeros((0, 0), np.float32) for s in self.segments]
+            ).astype(np.float32, copy=False),
+            "image_grid_thw": np.concatenate([s.image_grid_thw.reshape(-1, 3) for s in self.segments]).astype(np.int64),
+        }
+
+    def segment_meta(self) -> list[dict[str, Any]]:
+        """Per-segment bookkeeping that travels with :meth:`tensors` so :meth:`from_tensors` can split it.
+
+        Example: ``[{"sample_id": "coco-17", "length": 612, "n_coord": 8, "n_images": 1, "patches": 1024,
+        "meta": {"parse/truncated": 0}}]``
+        """
+        return [
+            {
+                "sample_id": s.sample_id,
+                "length": s.length,
+                "n_coord": int(s.coord_pos.shape[0]),
+                "n_images": int(s.image_grid_thw.reshape(-1, 3).shape[0]),
+                "patches": int(s.pixel_values.shape[0]),
+                "meta": dict(s.meta),
+            }
+            for s in self.segments
+        ]
+
+    @classmethod
+    def from_tensors(
+        cls, ver: int, channel: str, tensors: Mapping[str, np.ndarray], segment_meta: Sequence[Mapping[str, Any]]
+    ) -> Pack:
+        """Inverse of :meth:`tensors`: segments become views of the pack arrays (no copy but ``coord_pos``).
+
+        Raises :class:`SegmentError` naming the first inconsistency between names, dtypes, ranks and
+        shapes of ``tensors`` (``PACK_TENSOR_SPECS``), ``cu_seqlens`` and ``segment_meta``. An image-less
+        segment comes back with ``pixel_values`` of shape ``[0, D]``, D the pack's patch width.
+        """
+        _check_pack_arrays(tensors)
+        t = tensors["input_ids"].shape[0]
+        cu = tensors["cu_seqlens"]
+        if not isinstance(segment_meta, Sequence) or cu.shape != (len(segment_meta) + 1,):
+            raise SegmentError(f"cu_seqlens shape {cu.shape} does not match {len(segment_meta)} segments")
+        if len(segment_meta) == 0 or cu[0] != 0 or cu[-1] != t or (np.diff(cu) <= 0).any():
+            raise SegmentError(f"cu_seqlens must rise strictly from 0 to T={t}, got {cu.tolist()}")
+        starts = {"coord": 0, "image": 0, "patch": 0}
+        segments = []
+        for i, m in enumerate(segment_meta):
+            m = _check_segment_meta(m, i)
+            a, b = int(cu[i]), int(cu[i + 1])
+            if m["length"] != b - a:
+                raise SegmentError(f"segment {i} ({m['sample_id']}): length {m['length']} != cu_seqlens span {b - a}")
+            c0, i0, p0 = starts["coord"], starts["image"], starts["patch"]
+            starts = {"coord": c0 + m["n_coord"], "image": i0 + m["n_images"], "patch": p0 + m["patches"]}
+            segment = Segment(
+                sample_id=m["sample_id"],
+                channel=channel,
+                ver=ver,
+                input_ids=tensors["input_ids"][a:b],
+                labels=tensors["labels"][a:b],
+                weights=tensors["weights"][a:b],
+                position_ids=tensors["position_ids"][:, a:b],
+                coord_pos=tensors["coord_pos"][c0 : starts["coord"]] - a,
+                coord_bins=tensors["coord_bins"][c0 : starts["coord"]],
+                pixel_values=tensors["pixel_values"][p0 : starts["patch"]],
+                image_grid_thw=tensors["image_grid_thw"][i0 : starts["image"]],
+                meta=dict(m["meta"]),
+            )
+            if (segment.coord_pos.shape[0], segment.image_grid_thw.shape[0]) != (m["n_coord"], m["n_images"]):
+                raise SegmentError(f"segment {i} ({m['sample_id']}): n_coord/n_images run past the pack arrays")
+            segment.validate()
+            segments.append(segment)
+        ends = (tensors["coord_pos"].shape[0], tensors["image_grid_thw"].shape[0], tensors["pixel_values"].shape[0])
+        if (starts["coord"], starts["image"], starts["patch"]) != ends:
+            raise SegmentError(
+                f"segment meta sums (n_coord, n_images, patches) = {tuple(starts.values())} != pack arrays {ends}"
+            )
+        return cls(ver=ver, channel=channel, segments=segments)
+
+
+_SEGMENT_META_TYPES = {"sample_id": str, "length": int, "n_coord": int, "n_images": int, "patches": int, "meta": dict}
+
+
+def _check_pack_arrays(tensors: Mapping[str, np.ndarray]) -> None:
+    missing, extra = set(PACK_TENSOR_SPECS) - set(tensors), set(tensors) - set(PACK_TENSOR_SPECS)
+    if missing or extra:
+        raise SegmentError(f"pack arrays: missing {sorted(missing)}, unknown {sorted(extra)}")
+    for name, (dtype, ndim) in PACK_TENSOR_SPECS.items():
+        array = tensors[name]
+        if array.dtype != np.dtype(dtype) or array.ndim != ndim:
+            raise SegmentError(f"pack array {name!r}: {array.dtype} rank {array.ndim}, expected {dtype} rank {ndim}")
+    t = tensors["input_ids"].shape[0]
+    for name in ("labels", "weights"):
+        if tensors[name].shape != (t,):
+            raise SegmentError(f"pack array {name!r}: shape {tensors[name].shape} != input_ids ({t},)")
+    if tensors["position_ids"].shape[0] < 1 or tensors["position_ids"].shape[1] != t:
+        raise SegmentError(f"pack array 'position_ids': shape {tensors['position_ids'].shape} != (R, {t})")
+    pos, bins = tensors["coord_pos"], tensors["coord_bins"]
+    if pos.shape != bins.shape:
+        raise SegmentError(f"coord_pos {pos.shape} and coord_bins {bins.shape} must have equal length")
+    grid = tensors["image_grid_thw"]
+    if grid.shape[1] != 3 or (grid < 0).any():
+        raise SegmentError(f"image_grid_thw must be [I, 3] of non-negative sizes, got shape {grid.shape}")
+    rows, patches = tensors["pixel_values"].shape[0], int(np.prod(grid, axis=1).sum())
+    if rows != patches:
+        raise SegmentError(f"pixel_values has {rows} rows, image_grid_thw implies {patches}")
+
+
+def _check_segment_meta(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, Mapping) or set(m) != set(_SEGMENT_META_TYPES):
+        keys = sorted(map(str, m)) if isinstance(m, Mapping) else type(m).__name__
+        raise SegmentError(f"segment meta {i}: expected keys {sorted(_SEGMENT_META_TYPES)}, got {keys}")
+    for key, kind in _SEGMENT_META_TYPES.items():
+        if type(m[key]) is not kind or (kind is int and m[key] < 0):
+            expected = "a non-negative int" if kind is int else f"a {kind.__name__}"
+            raise SegmentError(f"segment meta {i}: {key!r} must be {expected}, got {m[key]!r}")
+    return dict(m)

@@ -1,0 +1,1 @@
+"""tandem: rollout_server/engines package."""

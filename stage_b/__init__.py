@@ -1,0 +1,1 @@
+"""tandem: stage_b package."""

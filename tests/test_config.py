@@ -1,0 +1,160 @@
+"""The config schema: every fail-fast rule names the dotted key and the fix; all problems at once."""
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load_config, markdown_reference
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["model.path=m", "data.train_jsonl=d.jsonl", "stage2_ab.schedule.b_ratio=0.5"]
+
+
+def problems_of(overrides, path=None, **kw):
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, overrides, **kw)
+    return exc.value.problems
+
+
+def one_problem(overrides, key, **kw):
+    found = [p for p in problems_of(overrides, **kw) if p.startswith(key)]
+    assert found, f"no problem reported for {key}"
+    assert "Fix:" in found[0]
+    return found[0]
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO / "configs").rglob("*.yaml")))
+def test_every_yaml_under_configs_loads(path):
+    if "/stage_b/" in path:
+        from stage_b.config import load_stage_b_config  # Stage-B has its own schema
+
+        load_stage_b_config(path)
+    else:
+        cfg = load_config(path)
+        assert cfg.derived.gradient_accumulation_steps >= 1
+
+
+def test_missing_b_ratio_fails_with_guidance():
+    msg = one_problem(["model.path=m", "data.train_jsonl=d"], "stage2_ab.schedule.b_ratio")
+    assert "missing" in msg and "set stage2_ab.schedule.b_ratio" in msg
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.01"])
+def test_b_ratio_outside_unit_interval_fails(value):
+    msg = one_problem(BASE[:2] + [f"stage2_ab.schedule.b_ratio={value}"], "stage2_ab.schedule.b_ratio")
+    assert "[0, 1]" in msg
+
+
+def test_schedule_pattern_fails_with_migration_hint():
+    msg = one_problem(BASE + ["stage2_ab.schedule.pattern=[A,B]"], "stage2_ab.schedule.pattern")
+    assert "b_ratio" in msg
+
+
+@pytest.mark.parametrize("key", ["temperature", "top_p", "top_k"])
+def test_legacy_decoding_keys_point_to_decoding(key):
+    msg = one_problem(BASE + [f"rollout_matching.{key}=0.5"], f"rollout_matching.{key}")
+    assert f"rollout_matching.decoding.{key}" in msg
+
+
+def test_rollout_buffer_fails_fast():
+    msg = one_problem(BASE + ["rollout_matching.rollout_buffer.enabled=true"], "rollout_matching.rollout_buffer")
+    assert "async" in msg
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("rollout_matching.rollout_backend=hf", "rollout_matching.rollout_backend"),
+        ("rollout_matching.vllm.mode=colocate", "rollout_matching.vllm.mode"),
+    ],
+)
+def test_async_requires_server_rollouts(override, key):
+    msg = one_problem(BASE + [override], key)
+    assert "async" in msg
+
+
+def test_async_requires_full_sync():
+    msg = one_problem(BASE + ["rollout_matching.vllm.sync.mode=adapter"], "rollout_matching.vllm.sync.mode")
+    assert "full" in msg
+
+
+def test_unknown_keys_fail_anywhere_with_a_suggestion():
+    probs = problems_of(BASE + ["training.learning_rate=1", "stage2_ab.channel_b.async.queue_limt=4", "bogus=1"])
+    assert any(p.startswith("training.learning_rate") and "unknown key" in p for p in probs)
+    assert any(p.startswith("stage2_ab.channel_b.async.queue_limt") and "queue_limit" in p for p in probs)
+    assert any(p.startswith("bogus") for p in probs)
+
+
+@pytest.mark.parametrize("key", ["queue_limit", "prefetch_target_packs"])
+def test_queue_knobs_below_gradient_accumulation_fail(key):
+    overrides = BASE + ["training.gradient_accumulation_steps=4", "stage2_ab.channel_b.async.queue_limit=8",
+                        "stage2_ab.channel_b.async.prefetch_target_packs=4", f"stage2_ab.channel_b.async.{key}=2"]
+    msg = one_problem(overrides, f"stage2_ab.channel_b.async.{key}")
+    assert "gradient_accumulation_steps 4" in msg
+
+
+@pytest.mark.parametrize("value", ["0", "1.5"])
+def test_top_p_outside_unit_interval_fails(value):
+    assert "(0, 1]" in one_problem(BASE + [f"rollout_matching.decoding.top_p={value}"], "rollout_matching.decoding.top_p")
+
+
+def test_negative_temperature_fails():
+    assert "≥ 0" in one_problem(BASE + ["rollout_matching.decoding.temperature=-1"], "rollout_matching.decoding.temperature")
+
+
+def test_step_mode_under_world_size_two_points_to_async():
+    msg = one_problem(BASE + ["stage2_ab.channel_b.mode=step"], "stage2_ab.channel_b.mode", world_size=2)
+    assert "mode: async" in msg
+
+
+def test_pipeline_without_server_rollouts_fails():
+    msg = one_problem(
+        BASE + ["stage2_ab.channel_b.mode=step", "stage2_ab.channel_b.enable_pipeline=true",
+                "rollout_matching.rollout_backend=hf"],
+        "stage2_ab.channel_b.enable_pipeline",
+    )
+    assert "server rollouts" in msg
+
+
+def test_overlapping_gpu_sets_fail():
+    msg = one_problem(BASE + ["rollout_server.gpus=[0,1]", "learner.gpus=[1,2]"], "learner.gpus")
+    assert "disjoint" in msg
+
+
+def test_wrong_types_name_the_key_and_expected_type():
+    msg = one_problem(BASE + ["training.lr=fast"], "training.lr")
+    assert "expected float" in msg
+
+
+def test_several_errors_are_reported_together():
+    probs = problems_of(["data.train_jsonl=d", "stage2_ab.schedule.pattern=[A]", "rollout_matching.top_p=0.9",
+                         "training.lr=x", "nope=1"])
+    keys = {p.split(" ")[0] for p in probs}
+    assert {"model.path", "stage2_ab.schedule.pattern", "rollout_matching.top_p", "training.lr", "nope",
+            "stage2_ab.schedule.b_ratio"} <= keys
+
+
+def test_derived_values_are_computed_in_one_place():
+    cfg = load_config(None, BASE + ["training.effective_batch_size=32", "stage2_ab.channel_b.async.queue_limit=64",
+                                    "stage2_ab.channel_b.async.prefetch_target_packs=32"], world_size=2)
+    assert cfg.derived.gradient_accumulation_steps == 16
+    assert cfg.derived.rollouts_per_step == 32
+    assert cfg.derived.b_ratio_exact == "1/2"
+
+
+def test_effective_batch_rounds_ga_up():
+    cfg = load_config(None, BASE + ["training.effective_batch_size=5", "stage2_ab.channel_b.async.queue_limit=8",
+                                    "stage2_ab.channel_b.async.prefetch_target_packs=8"], world_size=2)
+    assert cfg.derived.gradient_accumulation_steps == 3 and cfg.derived.effective_batch_size == 6
+
+
+def test_missing_file_and_bad_override_are_clear(tmp_path):
+    assert "file not found" in problems_of([], path=tmp_path / "nope.yaml")[0]
+    assert "key=value" in problems_of(["justakey"])[0]
+
+
+def test_config_reference_documents_every_key():
+    md = markdown_reference()
+    for key in ["stage2_ab.schedule.b_ratio", "stage2_ab.channel_b.async.queue_limit", "rollout_matching.decoding.top_p",
+                "transport.base_port", "rollout_server.auth_token"]:
+        assert f"`{key}`" in md
