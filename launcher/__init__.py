@@ -1,0 +1,1 @@
+"""tandem launcher: start and supervise the whole topology from one config."""

@@ -1,0 +1,65 @@
+"""``python -m launcher --config PATH [--dry-run] [dotted overrides]``: the whole topology, supervised.
+
+Validates the config and the GPU split before starting anything, starts the rollout server, the
+learner (torchrun) and the actors with per-process logs under ``{output_dir}/logs/``, tears
+everything down when any process dies, then prints the run summary and writes the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
+    ap.add_argument("--dry-run", action="store_true", help="validate and print the commands, start nothing")
+    ap.add_argument("--no-server", action="store_true", help="use already running rollout servers")
+    ap.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM → SIGKILL grace at teardown")
+    args, overrides = ap.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    from common.config import ConfigError, load_config
+    from launcher.plan import PlanError, build_plan
+
+    try:
+        cfg = load_config(args.config, overrides)
+        out = Path(cfg.training.output_dir)
+        specs = build_plan(cfg, args.config, overrides, out / "logs", start_server=not args.no_server)
+    except (ConfigError, PlanError) as exc:
+        print(f"launcher: {exc}", file=sys.stderr)
+        return 2
+    print(f"tandem launcher: {len(specs)} processes, output in {out}")
+    for spec in specs:
+        print(f"  [{spec.name}] {spec.shell()}")
+    if args.dry_run:
+        return 0
+
+    from launcher.summary import print_summary
+    from launcher.supervisor import Supervisor
+
+    for stale in (out / "metrics.jsonl",):
+        if stale.exists() and not cfg.training.resume:
+            stale.unlink()  # a fresh run's metrics start empty; resumed runs append
+    sup = Supervisor(specs, health_timeout_s=cfg.rollout_matching.vllm.timeout_s, grace_s=args.grace_s)
+    t0 = time.monotonic()
+    code = sup.run()
+    wall = time.monotonic() - t0
+    sup.write_record(out / "processes.json")
+    print_summary(out, wall_s=wall, exit_codes=sup.exit_codes())
+    try:
+        from launcher.plot import plot_run
+
+        for png in plot_run(out):
+            print(f"plot: {png}")
+    except Exception as exc:  # the plot is a convenience; never fail the run for it
+        logging.getLogger("tandem.launcher").warning("plot failed: %s", exc)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""What the launcher will start, computed from the config alone (``--dry-run`` prints it).
+
+A plan is a list of :class:`ProcessSpec`: argv, environment additions (GPU visibility), the log
+file, and how readiness is checked. Nothing here starts a process, so the plan can be checked
+before any GPU is touched: overlapping GPU sets between the server and the learner are refused.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import Config
+
+
+class PlanError(ValueError):
+    """The config describes a topology that cannot run on this machine."""
+
+
+@dataclass
+class ProcessSpec:
+    name: str  # unique, used for the log file and messages
+    role: str  # server | actor | learner
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    log: Path | None = None
+    health_url: str | None = None  # HTTP URL that answers 200 once ready (server)
+
+    def shell(self) -> str:
+        envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (envs + " " if envs else "") + " ".join(shlex.quote(a) for a in self.argv)
+
+
+def _gpu_env(gpus: list[int] | None) -> dict[str, str]:
+    # Actors and CPU runs see no GPU at all; otherwise each role sees only its own set.
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus) if gpus else ""}
+
+
+def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Path,
+               python: str = sys.executable, start_server: bool = True) -> list[ProcessSpec]:
+    """Server(s) first, then the learner (it binds the pack sockets), then the actors."""
+    srv, lrn = cfg.rollout_server, cfg.learner
+    if srv.gpus and lrn.gpus and set(srv.gpus) & set(lrn.gpus):
+        raise PlanError(f"rollout_server.gpus {srv.gpus} and learner.gpus {lrn.gpus} overlap: "
+                        "give the server and the learner disjoint GPU sets")
+    if srv.engine == "vllm" and not srv.gpus:
+        raise PlanError("rollout_server.engine is vllm but rollout_server.gpus is empty: list the server's GPUs")
+    world = lrn.nproc_per_node
+    common = ["--config", config_path, *overrides]
+    specs: list[ProcessSpec] = []
+    if start_server:
+        url = cfg.rollout_matching.vllm.servers[0].base_url.rstrip("/")
+        specs.append(ProcessSpec(
+            name="rollout_server", role="server",
+            argv=[python, "-m", "rollout_server", *common],
+            env=_gpu_env(srv.gpus), log=log_dir / "rollout_server.log", health_url=f"{url}/health",
+        ))
+    learner_argv = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                    "learner/main.py", *common]
+    specs.append(ProcessSpec(name="learner", role="learner", argv=learner_argv,
+                             env={**_gpu_env(lrn.gpus), "OMP_NUM_THREADS": "1"} if not lrn.gpus else _gpu_env(lrn.gpus),
+                             log=log_dir / "learner.log"))
+    for rank in range(world):
+        for index in range(cfg.actor.num_actors_per_rank):
+            specs.append(ProcessSpec(
+                name=f"actor_r{rank}_{index}", role="actor",
+                argv=[python, "-m", "actor", "--rank", str(rank), "--index", str(index), *common],
+                env={**_gpu_env(None), "OMP_NUM_THREADS": "1"}, log=log_dir / f"actor_r{rank}_{index}.log",
+            ))
+    return specs
