@@ -160,8 +160,10 @@ class Pack:
         """
         _check_pack_arrays(tensors)
         t = tensors["input_ids"].shape[0]
-        cu = tensors["cu_seqlens"]
-        if not isinstance(segment_meta, Sequence) or cu.shape != (len(segment_meta) + 1,):
+        cu = tensors["cu_seqlens"].astype(np.int64)  # no int32 wrap-around in the checks below
+        if not isinstance(segment_meta, Sequence):
+            raise SegmentError(f"segment meta must be a list, got {type(segment_meta).__name__}")
+        if cu.shape != (len(segment_meta) + 1,):
             raise SegmentError(f"cu_seqlens shape {cu.shape} does not match {len(segment_meta)} segments")
         if len(segment_meta) == 0 or cu[0] != 0 or cu[-1] != t or (np.diff(cu) <= 0).any():
             raise SegmentError(f"cu_seqlens must rise strictly from 0 to T={t}, got {cu.tolist()}")

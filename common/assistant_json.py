@@ -1,0 +1,322 @@
+"""The data contract of design section 2: JSONL records, quantisation, and the assistant JSON line.
+
+A record on disk::
+
+    {"id": "synth-000123", "images": ["images/synth-000123.png"], "width": 112, "height": 84,
+     "coord_mode": "pixel", "objects": [{"desc": "red circle", "bbox_2d": [10, 4, 52, 40]}]}
+
+becomes a :class:`Record` whose objects carry norm1000 *bins* (``k = clamp(round(999*c), 0, 999)``),
+and the model is trained to answer with one line::
+
+    {"object_1": {"desc": "red circle", "bbox_2d": ["<|coord_89|>", "<|coord_48|>", "<|coord_464|>", "<|coord_476|>"]}}
+
+followed by the chat template's turn-end token. ``{}`` means no objects.
+
+Coordinate modes (``coord_mode`` in the record, else the caller's ``default_coord_mode``, else
+``"pixel"``): ``"pixel"`` values are numbers in ``[0, width]`` x ``[0, height]`` (pixel-edge
+coordinates, so a box covering the whole image is ``[0, 0, W, H]``), divided by W/H then quantised;
+``"norm1000"`` values are already bins: ints 0..999 or ``"<|coord_k|>"`` strings. There is no
+guessing from the values: a 0..999 pixel box and a bin box look the same.
+
+What this module does not know: tokenizers (``common/tokens.py`` checks a tokenizer has the coord
+tokens), pixels (``common/synthetic.py`` draws them), or how a chat template renders messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import unicodedata
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NUM_BINS = 1000
+MAX_BIN = NUM_BINS - 1
+
+# Qwen2/2.5-VL chat special tokens, in the order their ids follow each other in Qwen checkpoints.
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"  # the turn-end token: every assistant answer ends with it
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"  # one per merged vision patch after the processor expands it
+VIDEO_PAD = "<|video_pad|>"
+CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
+    ENDOFTEXT,
+    IM_START,
+    IM_END,
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    VISION_START,
+    VISION_END,
+    "<|vision_pad|>",
+    IMAGE_PAD,
+    VIDEO_PAD,
+)
+
+_COORD_RE = re.compile(r"<\|coord_(\d{1,3})\|>")
+
+
+def coord_token(k: int) -> str:
+    """The token string for bin ``k`` (0..999): ``coord_token(110) == "<|coord_110|>"``."""
+    if not (isinstance(k, int) and 0 <= k <= MAX_BIN):
+        raise ValueError(f"coord bin must be an int in 0..{MAX_BIN}, got {k!r}")
+    return f"<|coord_{k}|>"
+
+
+#: The 1000 coord token strings in bin order; a tokenizer must map each to exactly one id.
+COORD_TOKENS: list[str] = [coord_token(k) for k in range(NUM_BINS)]
+
+
+def parse_coord_token(s: str) -> int | None:
+    """``"<|coord_12|>" -> 12``; ``None`` for anything else (including ``"<|coord_012|>"``)."""
+    m = _COORD_RE.fullmatch(s) if isinstance(s, str) else None
+    if m is None or (len(m.group(1)) > 1 and m.group(1)[0] == "0"):
+        return None
+    return int(m.group(1))
+
+
+def quantize(c: float) -> int:
+    """Normalised coordinate in [0, 1] -> bin: ``clamp(round(999*c), 0, 999)`` (never /1000)."""
+    return min(MAX_BIN, max(0, round(MAX_BIN * c)))
+
+
+def dequantize(k: int) -> float:
+    """Bin -> normalised coordinate: ``k / 999``, so bins 0 and 999 are the image edges."""
+    return k / MAX_BIN
+
+
+class RecordError(ValueError):
+    """A JSONL record breaks the contract; the message names the record, the field and the fix."""
+
+    def __init__(self, where: str, field: str, problem: str, fix: str):
+        self.where, self.field, self.problem, self.fix = where, field, problem, fix
+        super().__init__(f"{where}: {field}: {problem}; fix: {fix}")
+
+
+@dataclass(frozen=True)
+class GTObject:
+    """One ground-truth object: a sanitised description and its box as norm1000 bins."""
+
+    desc: str
+    bins: tuple[int, int, int, int]  # x1, y1, x2, y2 in 0..999, x1 <= x2 and y1 <= y2
+
+    def payload(self) -> dict[str, Any]:
+        """The value of one ``object_N`` key in the assistant JSON."""
+        return {"desc": self.desc, "bbox_2d": [coord_token(k) for k in self.bins]}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One validated JSONL record. Image paths are as written (relative to the JSONL's folder
+    or an image root); :meth:`image_paths` resolves them."""
+
+    images: tuple[str, ...]
+    width: int
+    height: int
+    objects: tuple[GTObject, ...]
+    id: str | None = None
+
+    def image_paths(self, root: str | os.PathLike[str]) -> list[str]:
+        """Absolute paths, with relative ones taken from ``root``."""
+        return [p if os.path.isabs(p) else os.path.join(os.fspath(root), p) for p in self.images]
+
+
+def check_desc(desc: Any, where: str = "desc", field: str = "desc") -> str:
+    """Return ``desc`` unchanged if it can sit inside the single-line assistant JSON, else raise.
+
+    Rejected: non-strings, empty strings, control characters and any whitespace other than a plain
+    space, leading/trailing spaces, double spaces, and the separators ``", "`` and ``": "`` (a
+    strict parser that scans the model's answer could split on them).
+    """
+    fix = 'write a short phrase of words separated by single spaces, e.g. "large red circle"'
+    if not isinstance(desc, str) or not desc:
+        raise RecordError(where, field, f"must be a non-empty string, got {desc!r}", fix)
+    for ch in desc:
+        if (ch.isspace() and ch != " ") or unicodedata.category(ch).startswith("C"):
+            raise RecordError(where, field, f"contains control/whitespace character {ch!r} in {desc!r}", fix)
+    if desc != desc.strip(" "):
+        raise RecordError(where, field, f"has leading or trailing spaces: {desc!r}", fix)
+    if "  " in desc:
+        raise RecordError(where, field, f"has a double space: {desc!r}", fix)
+    for sep in (", ", ": "):
+        if sep in desc:
+            raise RecordError(
+                where, field, f"contains {sep!r}, which collides with the JSON separators: {desc!r}", fix
+            )
+    return desc
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bins_from_bbox(bbox: Any, mode: str, width: int, height: int, where: str, field: str) -> tuple[int, ...]:
+    if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
+        raise RecordError(where, field, f"must be a list [x1, y1, x2, y2], got {bbox!r}", "give exactly four values")
+    if mode == "pixel":
+        if not all(_is_number(v) for v in bbox):
+            hint = (
+                'these look like bins: add "coord_mode": "norm1000" to the record'
+                if all(isinstance(v, str) and parse_coord_token(v) is not None for v in bbox)
+                else "pixel coordinates are numbers"
+            )
+            raise RecordError(where, field, f"pixel coordinates must be numbers, got {bbox!r}", hint)
+        x1, y1, x2, y2 = (float(v) for v in bbox)
+        if not (0 <= x1 <= x2 <= width and 0 <= y1 <= y2 <= height):
+            raise RecordError(
+                where,
+                field,
+                f"{list(bbox)} is not a box inside the {width}x{height} image",
+                "pixel boxes need 0 <= x1 <= x2 <= width and 0 <= y1 <= y2 <= height; "
+                'if the values are norm1000 bins, add "coord_mode": "norm1000"',
+            )
+        return (quantize(x1 / width), quantize(y1 / height), quantize(x2 / width), quantize(y2 / height))
+    bins = []
+    for v in bbox:
+        k = parse_coord_token(v) if isinstance(v, str) else v
+        if isinstance(k, float) and k.is_integer():
+            k = int(k)
+        if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_BIN):
+            raise RecordError(
+                where,
+                field,
+                f"norm1000 coordinates must be ints 0..{MAX_BIN} or '<|coord_k|>' strings, got {v!r}",
+                'use bins, or set "coord_mode": "pixel" for pixel coordinates',
+            )
+        bins.append(k)
+    if bins[2] < bins[0] or bins[3] < bins[1]:
+        raise RecordError(where, field, f"x2 < x1 or y2 < y1 in {bins}", "order the box as [x1, y1, x2, y2]")
+    return tuple(bins)
+
+
+_UNSUPPORTED_GEOMETRY = ("poly", "line", "quad_2d", "point_2d")
+
+
+def load_record(obj: Any, *, where: str | None = None, default_coord_mode: str = "pixel") -> Record:
+    """Validate one decoded JSONL record and convert its boxes to bins.
+
+    ``where`` labels error messages (e.g. ``"train.jsonl:12"``); the record's ``id`` is added.
+    Unknown top-level keys and unknown object keys are ignored, except geometries other than
+    ``bbox_2d`` (v1 is bbox-only), which raise.
+    """
+    where = where or "record"
+    if not isinstance(obj, dict):
+        raise RecordError(where, "<record>", f"must be a JSON object, got {type(obj).__name__}", "one object per line")
+    rid = obj.get("id")
+    if rid is not None:
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+            raise RecordError(where, "id", f"must be a string, got {rid!r}", 'use e.g. "id": "img-000001"')
+        rid = str(rid)
+        where = f"{where} (id {rid})"
+
+    def fail(field: str, problem: str, fix: str) -> RecordError:
+        return RecordError(where, field, problem, fix)
+
+    images = obj.get("images")
+    if not isinstance(images, list) or not images or not all(isinstance(p, str) and p for p in images):
+        raise fail("images", f"must be a non-empty list of paths, got {images!r}", 'e.g. "images": ["img/0001.jpg"]')
+    size = {}
+    for key in ("width", "height"):
+        v = obj.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise fail(key, f"must be a positive int (pixels), got {v!r}", f"give the image {key} in pixels")
+        size[key] = v
+    mode = obj.get("coord_mode", default_coord_mode)
+    if mode not in ("pixel", "norm1000"):
+        raise fail("coord_mode", f"must be 'pixel' or 'norm1000', got {mode!r}", "pick one of the two")
+    objects = obj.get("objects")
+    if not isinstance(objects, list):
+        raise fail("objects", f"must be a list, got {type(objects).__name__}", 'use "objects": [] for none')
+    out = []
+    for i, o in enumerate(objects):
+        field = f"objects[{i}]"
+        if not isinstance(o, dict):
+            raise fail(field, f"must be an object, got {o!r}", 'write {"desc": ..., "bbox_2d": [...]}')
+        for geom in _UNSUPPORTED_GEOMETRY:
+            if geom in o:
+                raise fail(f"{field}.{geom}", "only bbox_2d is supported (bbox-only v1)", "convert it to bbox_2d")
+        desc = check_desc(o.get("desc"), where, f"{field}.desc")
+        if "bbox_2d" not in o:
+            raise fail(f"{field}.bbox_2d", "missing", "give the box as [x1, y1, x2, y2]")
+        bins = _bins_from_bbox(o["bbox_2d"], mode, size["width"], size["height"], where, f"{field}.bbox_2d")
+        out.append(GTObject(desc, bins))  # type: ignore[arg-type]
+    return Record(tuple(images), size["width"], size["height"], tuple(out), rid)
+
+
+def iter_jsonl(path: str | os.PathLike[str], *, default_coord_mode: str = "pixel") -> Iterator[Record]:
+    """Records of a JSONL file in order; errors name ``file:line``. Blank lines are skipped."""
+    name = Path(path).name
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{name}:{lineno}", "<line>", f"invalid JSON ({e})", "one object per line") from None
+            yield load_record(obj, where=f"{name}:{lineno}", default_coord_mode=default_coord_mode)
+
+
+def canonical_order(objects: Iterable[GTObject]) -> list[GTObject]:
+    """Top-to-bottom, then left-to-right: sort by (y1, x1) bins; ties keep their given order."""
+    return sorted(objects, key=lambda o: (o.bins[1], o.bins[0]))
+
+
+def serialize_objects(objects: Sequence[GTObject]) -> str:
+    """The single-line assistant JSON, keys ``object_1..K`` in the order given (``{}`` if empty).
+
+    Channel-A passes :func:`canonical_order` output; Channel-B passes matched-then-FN order.
+    """
+    payload = {f"object_{i}": o.payload() for i, o in enumerate(objects, 1)}
+    return json.dumps(payload, ensure_ascii=False, separators=(", ", ": "))
+
+
+# NOTE: the coord tokens in these prompts are written as <|coord_N|> placeholders; "<|coord_N|>" is
+# not one of the 1000 tokens, so the tokenizer spells it out like ordinary text.
+SYSTEM_PROMPT = (
+    "You are a visual object detector. Answer with exactly one JSON object on a single line: "
+    '{"object_1": {"desc": "<short description>", "bbox_2d": ["<|coord_N|>", "<|coord_N|>", '
+    '"<|coord_N|>", "<|coord_N|>"]}, "object_2": {...}}. '
+    "Number the keys object_1, object_2, ... in reading order: top to bottom, then left to right. "
+    'Each object has a short "desc" and exactly one geometry, "bbox_2d": its top-left corner x1, y1 '
+    "and bottom-right corner x2, y2. Write every coordinate as one <|coord_N|> token, N from 0 to 999 "
+    "being the position as a fraction of the image width or height times 999; never plain numbers. "
+    "Use one space after each colon and comma and no line breaks. If there is no object, answer {}."
+)
+USER_PROMPT = (
+    "Detect every object in the image. Answer with the single-line JSON object described in the "
+    "instructions, objects ordered top to bottom then left to right, coordinates as <|coord_N|> tokens."
+)
+
+
+def build_messages(
+    record: Record, image_paths: Sequence[str | os.PathLike[str]], assistant: str | None = None
+) -> list[dict[str, Any]]:
+    """Chat messages for one record: system prompt, then the user turn (images, then the prompt).
+
+    Used by Channel-A, Channel-B and the rollout requests, so all three see the same prompt.
+    Content is always a list of typed parts (``{"type": "image", "image": path}`` /
+    ``{"type": "text", "text": ...}``), the form HF chat templates and processors expect.
+    ``assistant`` (e.g. :func:`serialize_objects` output) appends the answer turn for teacher forcing.
+    """
+    if len(image_paths) != len(record.images):
+        raise ValueError(f"record {record.id}: {len(record.images)} images but {len(image_paths)} paths given")
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": os.fspath(p)} for p in image_paths]
+            + [{"type": "text", "text": USER_PROMPT}],
+        },
+    ]
+    if assistant is not None:
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": assistant}]})
+    return messages

@@ -1,0 +1,562 @@
+"""Strict, token-aligned parsing of one rollout response (design section 3 step 2; origin section 2).
+
+The response is read through the tokenizer's own per-token pieces, never re-tokenised:
+
+    token ids ──stop at <|im_end|>──► pieces (one decode per id, cached) ──join──► text + char offsets
+        │                                                                          │
+        │                                       scanner: strings, {[ ]} stack, keys, objects,
+        │                                       bbox arrays (coord tokens captured by id)
+        ▼                                                                          ▼
+    prefix_token_ids = the ids up to the `}` of the last complete object ◄── cut char (or after `{`)
+                       (the one token the cut falls inside is re-encoded and must decode back)
+
+Objects are then validated strictly and either kept (``valid_objects``, appearance order) or dropped
+into one of :data:`DROP_REASONS`. ``parse_rollout`` never raises on a token sequence: garbage,
+truncations, out-of-vocabulary ids and non-integers all come back as a result with counters.
+
+Deviations from the origin, on purpose:
+  - ``max_object_index`` is the highest ``object_N`` key anywhere in the kept prefix, valid or not
+    (the origin used valid objects only, so appended FN keys could collide; origin section 11.7).
+  - a cut that cannot be reproduced by re-encoding falls back to the previous safe cut instead of
+    raising; scanning stops when the top-level object closes (trailing text is ignored); a value at
+    top level that is not an object (``"object_2": 5``) is counted as ``key_invalid``.
+  - an out-of-vocabulary id ends the usable response like the turn end does (the learner could not
+    embed it), and is counted in ``n_out_of_vocab``.
+  - a byte-level token that holds part of a multi-byte character decodes alone to U+FFFD; such runs
+    are decoded together and the text is given to the token that completes the character, so
+    non-ASCII descriptions survive.
+  - duplicate ``object_N`` keys are kept as separate objects (matching does not need the key).
+  - ``poly`` geometry is dropped as ``unknown_geom`` (bbox-only v1, as origin Stage-2 AB does).
+
+What this module does not know: torch, models, matching, or what the objects are used for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import operator
+import re
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from common.assistant_json import IM_END, NUM_BINS, parse_coord_token
+from common.tokens import CoordTokenError, coord_token_ids
+
+DROP_REASONS = (
+    "key_invalid",
+    "missing_desc",
+    "missing_geom",
+    "unknown_geom",
+    "wrong_arity",
+    "non_coord_token",
+    "bbox_invalid",
+)
+GEOMETRY_KEYS = ("bbox_2d", "poly")
+
+_OBJECT_KEY = re.compile(r"object_(\d+)")
+_STRUCTURAL = re.compile(r'[{}\[\]:,"]')
+_IN_STRING = re.compile(r'["\\]')
+_NON_SPACE = re.compile(r"\S")
+_OPENER = {"}": "{", "]": "["}
+_MAX_PARTIAL_RUN = 16  # tokens decoded together at most when repairing split multi-byte characters
+
+
+@dataclass(frozen=True)
+class ParsedObject:
+    """One valid object. Char spans index ``ParseResult.response_text``; token indices are
+    assistant-local (0 = first response token)."""
+
+    index: int  # N of its "object_N" key
+    desc: str  # stripped
+    bins: tuple[int, int, int, int]  # x1, y1, x2, y2 read from the coord token ids
+    coord_token_indices: tuple[int, ...]  # 4 positions of the coord tokens, box order
+    value_span: tuple[int, int]  # [start, end) of the `{...}` value
+    desc_span: tuple[int, int]  # [start, end) of the desc characters inside the quotes
+    key_span: tuple[int, int]  # [start, end) of the key string, quotes included
+
+
+@dataclass
+class ParseResult:
+    """Everything the actor needs from one response: objects to match, the prefix to keep, counts."""
+
+    response_token_ids: list[int]  # the response up to (not including) the first turn-end token
+    response_text: str  # pieces of the usable response tokens, joined
+    token_starts: list[int]  # char start of each usable response token, plus len(response_text)
+    prefix_token_ids: list[int]  # ids up to the cut (the last one possibly re-encoded)
+    prefix_text: str  # decodes from prefix_token_ids
+    valid_objects: list[ParsedObject]  # appearance order
+    dropped_by_reason: dict[str, int]  # every key of DROP_REASONS, zeros included
+    truncated: bool  # the structure was still open where the usable text ended
+    max_object_index: int  # highest N of any "object_N" key in the prefix; 0 if none
+    invalid_rollout: bool  # no top-level `{`, or no object completed before the cut
+    n_out_of_vocab: int = 0  # ids that are not tokens of this tokenizer (or not integers)
+    prefix_reencoded: bool = False  # the cut fell inside a token, which was re-encoded
+
+    @property
+    def n_dropped(self) -> int:
+        return sum(self.dropped_by_reason.values())
+
+    @property
+    def n_valid(self) -> int:
+        return len(self.valid_objects)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-tokenizer decode tables (built lazily; a piece is decoded once per id per tokenizer)
+
+
+class _TokenizerTable:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.pieces: dict[int, str | None] = {}  # None: this id does not decode
+        try:
+            self.vocab_size: int | None = int(len(tokenizer))
+        except TypeError:
+            self.vocab_size = getattr(tokenizer, "vocab_size", None)
+        self.open_brace_ids = [int(t) for t in tokenizer.encode("{", add_special_tokens=False)]
+        self.special: dict[str, int | None] = {}
+        self.coord_bins: dict[tuple[int, ...] | None, dict[int, int]] = {}
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        try:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except Exception:  # noqa: BLE001 - a tokenizer may raise anything on an id it does not know
+            return None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def token_id(self, token: str) -> int | None:
+        if token not in self.special:
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            unk_id = getattr(self.tokenizer, "unk_token_id", None)
+            is_unk = unk_id is not None and tid == unk_id and token != getattr(self.tokenizer, "unk_token", None)
+            self.special[token] = None if tid is None or is_unk else int(tid)
+        return self.special[token]
+
+    def coord_bin_of(self, coord_ids: Sequence[int] | None) -> dict[int, int]:
+        """id -> bin for the 1000 coord tokens (looked up and checked once per tokenizer)."""
+        key = None if coord_ids is None else tuple(int(i) for i in coord_ids)
+        if key not in self.coord_bins:
+            ids = key if key is not None else coord_token_ids(self.tokenizer)
+            if len(ids) != NUM_BINS or len(set(ids)) != NUM_BINS:
+                raise CoordTokenError(f"coord_ids must be {NUM_BINS} distinct ids in bin order, got {len(ids)}")
+            self.coord_bins[key] = {tid: k for k, tid in enumerate(ids)}
+        return self.coord_bins[key]
+
+    def pieces_of(self, ids: list[int]) -> list[str | None]:
+        missing = {t for t in ids if t not in self.pieces}
+        if missing:
+            self._fill(missing)
+        return [self.pieces[t] for t in ids]
+
+    def _fill(self, missing: set[int]) -> None:
+        todo = []
+        for t in missing:
+            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
+                self.pieces[t] = None
+            else:
+                todo.append(t)
+        if not todo:
+            return
+        try:
+            texts = self.tokenizer.batch_decode(
+                [[t] for t in todo], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+            if len(texts) != len(todo):
+                raise ValueError("batch_decode returned the wrong number of texts")
+        except Exception:  # noqa: BLE001 - fall back to one decode per id, each guarded
+            texts = [self.decode([t]) for t in todo]
+        for t, text in zip(todo, texts):
+            self.pieces[t] = text if isinstance(text, str) else None
+
+
+_TABLES: "weakref.WeakKeyDictionary[Any, _TokenizerTable]" = weakref.WeakKeyDictionary()
+_TABLES_BY_ID: dict[int, _TokenizerTable] = {}  # tokenizers that cannot be weakly referenced
+
+
+def tokenizer_table(tokenizer: Any) -> _TokenizerTable:
+    """The cached decode table of ``tokenizer`` (shared with :mod:`common.targets`)."""
+    try:
+        table = _TABLES.get(tokenizer)
+        if table is None:
+            table = _TABLES[tokenizer] = _TokenizerTable(tokenizer)
+        return table
+    except TypeError:
+        table = _TABLES_BY_ID.get(id(tokenizer))
+        if table is None or table.tokenizer is not tokenizer:
+            table = _TABLES_BY_ID[id(tokenizer)] = _TokenizerTable(tokenizer)
+        return table
+
+
+def _as_ids(token_ids: Any) -> list[int]:
+    """Integers, with anything that is not one mapped to -1 (out of vocabulary)."""
+    if hasattr(token_ids, "tolist"):  # numpy / torch
+        token_ids = token_ids.tolist()
+    try:
+        items = list(token_ids)
+    except TypeError:
+        return []
+    if all(type(t) is int for t in items):
+        return items
+    out = []
+    for t in items:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            out.append(-1)
+    return out
+
+
+def _repair_split_characters(table: _TokenizerTable, ids: list[int], pieces: list[str]) -> None:
+    """Give each multi-byte character to the token that completes it (in place).
+
+    A byte-level BPE token can hold part of a UTF-8 character; decoded alone it is U+FFFD. Runs of
+    such tokens are decoded incrementally: a token whose running decode still ends in U+FFFD gets
+    the empty piece and the next token takes the text.
+    """
+    n, i = len(pieces), 0
+    while i < n:
+        if "\ufffd" not in pieces[i]:
+            i += 1
+            continue
+        start, emitted, k, new = i, "", i, {}
+        while k < n:
+            cur = table.decode(ids[start : k + 1])
+            if cur is None or not cur.startswith(emitted):
+                new = None
+                break
+            if cur.endswith("\ufffd") and k + 1 < n and k - start < _MAX_PARTIAL_RUN:
+                new[k] = ""
+                k += 1
+                continue
+            new[k], emitted = cur[len(emitted) :], cur
+            k += 1
+            if cur.endswith("\ufffd") or k >= n or "\ufffd" not in pieces[k]:
+                break
+        if new is not None and len(new) == k - start:
+            for j, p in new.items():
+                pieces[j] = p
+        i = max(k, i + 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scanner
+
+
+@dataclass
+class _RawObject:
+    key: str | None
+    key_span: tuple[int, int]
+    start: int  # char of its `{`
+    end: int = -1  # char after its `}`; -1 while open
+    desc_span: tuple[int, int] | None = None
+    captures: list[list[int]] = field(default_factory=list)  # [open `[` char, close `]` char or -1]
+    last_key: str | None = None
+
+
+@dataclass
+class _Scan:
+    objects: list[_RawObject] = field(default_factory=list)
+    object_keys: list[tuple[int, int]] = field(default_factory=list)  # (N, char after the key)
+    bad_values: int = 0  # top-level values that are not objects
+    first_open: int = -1  # char after the top-level `{`
+    truncated: bool = True
+
+
+def _unquote(raw: str) -> str | None:
+    if "\\" not in raw:
+        return raw
+    try:
+        return json.loads('"' + raw + '"')
+    except ValueError:
+        return None
+
+
+def _scan(text: str, end: int) -> _Scan:
+    """One pass over ``text[:end]`` visiting only structural characters (regex jumps)."""
+    s = _Scan()
+    stack: list[str] = []  # open containers, "{" or "["; stack[0] is the top-level "{"
+    expecting_key: list[bool] = []  # parallel to stack (meaningful for "{")
+    pending_key: tuple[str | None, tuple[int, int]] | None = None
+    obj: _RawObject | None = None  # object whose frame is stack[1]
+    capture_depth = 0  # len(stack) of the armed geometry array; 0 when not capturing
+    pos = 0
+    while True:
+        m = _STRUCTURAL.search(text, pos, end)
+        if m is None:
+            break
+        c, i = m.group(), m.start()
+        pos = i + 1
+        depth = len(stack)
+        if c == '"':
+            j = pos
+            while True:
+                m2 = _IN_STRING.search(text, j, end)
+                if m2 is None:
+                    return s  # unterminated string: truncated
+                if m2.group() == "\\":
+                    j = m2.start() + 2
+                    continue
+                close = m2.start()
+                break
+            pos = close + 1
+            if depth == 0:
+                continue
+            if stack[-1] == "{" and expecting_key[-1]:
+                key = _unquote(text[i + 1 : close])
+                if depth == 1:
+                    pending_key = (key, (i, close + 1))
+                    km = _OBJECT_KEY.fullmatch(key) if key is not None else None
+                    if km:
+                        s.object_keys.append((int(km.group(1)), close + 1))
+                elif depth == 2 and obj is not None:
+                    obj.last_key = key
+            elif depth == 2 and obj is not None and stack[-1] == "{" and obj.last_key == "desc":
+                obj.desc_span = (i + 1, close)
+        elif c == "{":
+            if depth == 0:
+                s.first_open = i + 1
+            elif depth == 1:
+                key = pending_key if (pending_key is not None and not expecting_key[0]) else (None, (i, i))
+                obj = _RawObject(key=key[0], key_span=key[1], start=i)
+                s.objects.append(obj)
+                pending_key = None
+            stack.append("{")
+            expecting_key.append(True)
+        elif c == "[":
+            if depth == 0:
+                continue
+            if (
+                depth == 2
+                and obj is not None
+                and stack[-1] == "{"
+                and not expecting_key[-1]
+                and obj.last_key in GEOMETRY_KEYS
+                and not capture_depth
+            ):
+                capture_depth = depth + 1
+                obj.captures.append([i, -1])
+            stack.append("[")
+            expecting_key.append(False)
+        elif c in "}]":
+            opener = _OPENER[c]
+            if opener not in stack:
+                continue  # a closer with nothing to close: garbage
+            while True:  # mismatched closers close the inner containers implicitly
+                top = stack.pop()
+                expecting_key.pop()
+                if top == opener:
+                    break
+            depth = len(stack)
+            if capture_depth and depth < capture_depth:
+                obj.captures[-1][1] = i
+                capture_depth = 0
+            if obj is not None and depth < 2:
+                if c == "}" and depth == 1:
+                    obj.end = i + 1
+                obj = None
+            if depth == 0:
+                s.truncated = False
+                return s  # the top-level object closed; trailing text is ignored
+        elif c == ":":
+            if depth and stack[-1] == "{":
+                expecting_key[-1] = False
+                if depth == 1:
+                    nxt = _NON_SPACE.search(text, pos, end)
+                    if nxt is not None and nxt.group() != "{":
+                        s.bad_values += 1
+                        pending_key = None
+        elif c == ",":
+            if depth and stack[-1] == "{":
+                expecting_key[-1] = True
+                if depth == 1:
+                    pending_key = None
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefix cut
+
+
+def cut_tokens_at_char(
+    token_ids: Sequence[int],
+    pieces: Sequence[str],
+    cut: int,
+    tokenizer: Any,
+    starts: Sequence[int] | None = None,
+) -> tuple[list[int], bool] | None:
+    """Token ids whose decode is ``"".join(pieces)[:cut]``, or None when that cannot be had.
+
+    Tokens that end at or before ``cut`` are kept verbatim. If ``cut`` falls inside a token (a
+    fused ``}},`` or ``},``), only that token is replaced by ``encode(its text before the cut)``,
+    which must decode back exactly. Returns (ids, whether a token was re-encoded). ``starts``
+    (char start of each piece plus the total length) is computed when not given.
+    """
+    table = tokenizer_table(tokenizer)
+    n = len(pieces)
+    if starts is None:
+        starts = [0, *itertools.accumulate(len(p) for p in pieces)]
+    k = bisect.bisect_right(starts, cut, 1) - 1  # tokens [0, k) end at or before the cut
+    pos = starts[k]
+    if k >= n and pos < cut:
+        return None
+    # Empty pieces just before token k hold bytes of the character that token k completes.
+    g = k
+    while 0 < g and k < n and pieces[g - 1] == "":
+        g -= 1
+    if pos == cut:
+        return list(token_ids[:g]), False
+    tail_text = "".join(pieces[g : k + 1])[: cut - pos]
+    try:
+        tail = table.encode(tail_text)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it is a failed cut
+        return None
+    if not tail or table.decode(tail) != tail_text:
+        return None
+    return list(token_ids[:g]) + tail, True
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+def _validate(raw: _RawObject, text: str, cut: int, coord_idx: list[int], ids: list[int], coord_bin: dict[int, int]):
+    """(reason, None) for a dropped object, (None, ParsedObject) for a valid one."""
+    if raw.end < 0 or raw.end > cut or raw.key is None:
+        return "key_invalid", None
+    km = _OBJECT_KEY.fullmatch(raw.key)
+    if km is None:
+        return "key_invalid", None
+    try:
+        value = json.loads(text[raw.start : raw.end])
+    except (ValueError, RecursionError):
+        return "key_invalid", None
+    if not isinstance(value, dict):
+        return "key_invalid", None
+    geom = [k for k in value if k in GEOMETRY_KEYS]
+    if len(geom) > 1:
+        return "key_invalid", None
+    desc = value.get("desc")
+    if not isinstance(desc, str) or not desc.strip():
+        return "missing_desc", None
+    extra = set(value) - {"desc", *geom}
+    if not geom:
+        return ("unknown_geom" if extra else "missing_geom"), None
+    if extra:
+        return "key_invalid", None
+    if geom[0] != "bbox_2d":
+        return "unknown_geom", None
+    box = value["bbox_2d"]
+    if not isinstance(box, list) or len(box) != 4:
+        return "wrong_arity", None
+    text_bins = [parse_coord_token(v) for v in box]
+    if None in text_bins:
+        return "non_coord_token", None
+    # Each value must be exactly one coord token, not the same characters spelled by other tokens.
+    if len(coord_idx) != 4 or [coord_bin[ids[t]] for t in coord_idx] != text_bins:
+        return "non_coord_token", None
+    x1, y1, x2, y2 = text_bins
+    if not all(0 <= b < NUM_BINS for b in text_bins) or x2 < x1 or y2 < y1:
+        return "bbox_invalid", None
+    return None, ParsedObject(
+        index=int(km.group(1)),
+        desc=desc.strip(),
+        bins=(x1, y1, x2, y2),
+        coord_token_indices=tuple(coord_idx),
+        value_span=(raw.start, raw.end),
+        desc_span=raw.desc_span or (raw.start, raw.start),
+        key_span=raw.key_span,
+    )
+
+
+def _captured(raw: _RawObject, coord_tokens: list[int], coord_starts: list[int]) -> list[int]:
+    """Coord tokens that start inside one of the object's geometry arrays (checked at token start)."""
+    out = []
+    for open_c, close_c in raw.captures:
+        lo = bisect.bisect_right(coord_starts, open_c)
+        hi = len(coord_starts) if close_c < 0 else bisect.bisect_left(coord_starts, close_c)
+        out.extend(coord_tokens[lo:hi])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def parse_rollout(
+    token_ids: Sequence[int],
+    tokenizer: Any,
+    *,
+    coord_ids: Sequence[int] | None = None,
+    im_end_token: str = IM_END,
+) -> ParseResult:
+    """Parse one response (token ids as generated, prompt excluded). Never raises on the ids.
+
+    ``coord_ids``: the 1000 coord token ids in bin order (``common.tokens.coord_token_ids`` if None;
+    a tokenizer without them raises ``CoordTokenError`` - a setup error, not a bad rollout).
+    """
+    table = tokenizer_table(tokenizer)
+    coord_bin = table.coord_bin_of(coord_ids)
+    im_end_id = table.token_id(im_end_token)
+
+    ids = _as_ids(token_ids)
+    if im_end_id is not None and im_end_id in ids:
+        ids = ids[: ids.index(im_end_id)]
+    raw_pieces = table.pieces_of(ids)
+    n_oov = sum(p is None for p in raw_pieces)
+    usable = raw_pieces.index(None) if n_oov else len(ids)
+    pieces: list[str] = raw_pieces[:usable]  # type: ignore[assignment]
+    if any("\ufffd" in p for p in pieces):
+        _repair_split_characters(table, ids, pieces)
+    text = "".join(pieces)
+    starts = [0, *itertools.accumulate(map(len, pieces))]
+    stop = text.find(im_end_token)  # a turn end spelled by ordinary tokens also ends the turn
+    scan = _scan(text, len(text) if stop < 0 else stop)
+
+    # Cut after the last complete object whose cut reproduces; else right after the top-level `{`.
+    cuts = sorted({o.end for o in scan.objects if o.end > 0}, reverse=True)
+    if scan.first_open >= 0:
+        cuts.append(scan.first_open)
+    prefix, cut, reencoded = None, -1, False
+    for c in cuts:
+        got = cut_tokens_at_char(ids[:usable], pieces, c, tokenizer, starts)
+        if got is not None:
+            (prefix, reencoded), cut = got, c
+            break
+    fallback = prefix is None
+    if fallback:
+        prefix, cut = list(table.open_brace_ids), -1
+    prefix_text = "{" if fallback else text[:cut]
+
+    coord_tokens = [k for k in range(usable) if ids[k] in coord_bin]
+    coord_starts = [starts[k] for k in coord_tokens]
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    dropped["key_invalid"] += scan.bad_values
+    valid = []
+    for raw in scan.objects:
+        reason, obj = _validate(raw, text, cut, _captured(raw, coord_tokens, coord_starts), ids, coord_bin)
+        if reason is None:
+            valid.append(obj)
+        else:
+            dropped[reason] += 1
+
+    max_index = max((n for n, key_end in scan.object_keys if key_end <= cut), default=0)
+    any_complete = any(0 < o.end <= cut for o in scan.objects)
+    return ParseResult(
+        response_token_ids=ids,
+        response_text=text,
+        token_starts=starts,
+        prefix_token_ids=prefix,
+        prefix_text=prefix_text,
+        valid_objects=valid,
+        dropped_by_reason=dropped,
+        truncated=True if fallback else scan.truncated,
+        max_object_index=max_index,
+        invalid_rollout=fallback or not any_complete,
+        n_out_of_vocab=n_oov,
+        prefix_reencoded=reencoded,
+    )

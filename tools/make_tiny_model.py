@@ -1,0 +1,377 @@
+"""Build a Qwen2.5-VL model directory from scratch: config, random weights, tokenizer, processor.
+
+    python tools/make_tiny_model.py --out artifacts/tiny-model [--seed 0] [--preset tiny] [--force]
+
+Nothing is downloaded. The result is an ordinary HF model directory, loaded the way a real checkpoint
+is (``AutoModelForImageTextToText`` / ``AutoTokenizer`` / ``AutoProcessor.from_pretrained(path)``):
+
+- ``Qwen2_5_VLForConditionalGeneration`` (the real target architecture) with the sizes of
+  ``--preset``; ``tiny`` (default, ~0.9 M parameters, float32) is what CPU tests and the demo use.
+  The bigger presets have realistic Qwen2.5 shapes for GPU work; they are built on the meta device and
+  materialised with transformers' own initialisation in bfloat16, so building the 7b preset costs
+  memory and a minute of random-number generation, not an hour of per-module init.
+- A byte-level BPE tokenizer trained here on a small generated corpus (the prompts, the assistant JSON,
+  the synthetic data's words, common English), with Qwen2's pre-tokenizer, the Qwen chat special tokens
+  (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ... ``<|image_pad|>``, ``<|video_pad|>``) and then
+  the 1000 ``<|coord_k|>`` tokens as added tokens with contiguous ids in bin order. Coord tokens are
+  *not* special, so ``decode(..., skip_special_tokens=True)`` keeps them in the answer text.
+  ``--no-coord-tokens`` leaves them out (to test ``tools/add_coord_tokens.py``).
+- The standard Qwen2-VL chat template, the PIL Qwen2-VL image processor with
+  ``min_pixels = 56*56`` and ``max_pixels = 112*112`` (a 112x112 image is 8x8 patches = 16 image
+  tokens), and a generation config (greedy, eos ``<|im_end|>``, pad ``<|endoftext|>``).
+- Embedding rows = tokenizer size rounded up to a multiple of 64; word embeddings are tied for every
+  preset but 7b, as in the Qwen2.5 checkpoints of those sizes.
+
+``tandem_build.json`` records the build parameters; a later run with the same ones does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python tools/make_tiny_model.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.assistant_json import (  # noqa: E402
+    CHAT_SPECIAL_TOKENS,
+    COORD_TOKENS,
+    ENDOFTEXT,
+    IM_END,
+    IMAGE_PAD,
+    SYSTEM_PROMPT,
+    USER_PROMPT,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    GTObject,
+    serialize_objects,
+)
+from common.synthetic import desc_vocabulary  # noqa: E402
+
+BUILDER_VERSION = 1
+BUILD_FILE = "tandem_build.json"
+EMBEDDING_ROW_MULTIPLE = 64
+BPE_VOCAB_SIZE = 2048  # an upper bound: the corpus supports fewer merges
+
+# The standard Qwen2-VL / Qwen2.5-VL chat template (as shipped with the Instruct checkpoints).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 112 * 112
+
+# Qwen2.5-VL vision tower (all real sizes share it); `out_hidden_size` is set to the text hidden size.
+_VISION_REAL = dict(
+    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)
+
+
+def _text(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=intermediate)
+
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        text=_text(128, 2, 4, 2, 256),
+        # window_size 56 px = 2x2 merged patches, so the windowed layer really splits 56..112 px images.
+        vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, window_size=56,
+                    fullatt_block_indexes=[1]),
+        tie=True, dtype="float32",
+    ),
+    "0.5b": dict(text=_text(896, 24, 14, 2, 4864), vision=_VISION_REAL, tie=True, dtype="bfloat16"),
+    "1.5b": dict(text=_text(1536, 28, 12, 2, 8960), vision=_VISION_REAL, tie=True, dtype="bfloat16"),
+    "3b": dict(text=_text(2048, 36, 16, 2, 11008), vision=_VISION_REAL, tie=True, dtype="bfloat16"),  # Qwen2.5-VL-3B
+    "7b": dict(text=_text(3584, 28, 28, 4, 18944), vision=_VISION_REAL, tie=False, dtype="bfloat16"),
+}
+
+_ENGLISH = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part over new sound take only little work know place year live me back give most very "
+    "after thing our just name good sentence man think say great where help through much before line right "
+    "too mean old any same tell boy follow came want show also around form three small set put end does "
+    "another well large must big even such because turn here why ask went men read need land different home "
+    "us move try kind hand picture again change off play spell air away animal house point page letter "
+    "mother answer found study still learn should image object box left top bottom corner detect every color "
+    "shape description position width height model answer json list key value token coordinate"
+).split()
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Split the rotary half-dimension into (temporal, height, width) like Qwen2.5-VL's [16, 24, 24]."""
+    half = head_dim // 2
+    t = half // 4
+    hw = (half - t) // 2
+    section = [t, hw, half - t - hw]
+    assert sum(section) == half, section
+    return section
+
+
+def _corpus() -> Iterator[str]:
+    """Deterministic BPE training text. Coord tokens are cut out: they are added tokens, never merged."""
+    import random
+    import re
+
+    rng = random.Random(0)
+    coord = re.compile(r"<\|coord_\d+\|>")
+    words = desc_vocabulary()
+    for _ in range(40):
+        yield from coord.split(SYSTEM_PROMPT)
+        yield from coord.split(USER_PROMPT)
+        yield "system\nYou are a helpful assistant.\nuser\n\nassistant\n"
+    for _ in range(400):
+        objs = [
+            GTObject(" ".join(rng.sample(words, rng.randint(1, 3))), tuple(sorted(rng.sample(range(1000), 4))))
+            for _ in range(rng.randint(0, 14))
+        ]
+        yield from coord.split(serialize_objects(objs))
+    for _ in range(300):
+        yield " ".join(rng.choice(_ENGLISH) for _ in range(rng.randint(4, 16))).capitalize() + rng.choice(".,?!:;")
+    yield "0123456789 " * 20 + "{}[]()<>\"'`~!@#$%^&*-_=+|\\/:;,.?"
+
+
+def build_tokenizer(coord_tokens: bool = True):
+    """Train the byte-level BPE and wrap it as the Qwen2 tokenizer class (what ``AutoTokenizer`` picks)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    raw = Tokenizer(BPE())
+    raw.normalizer = normalizers.NFC()
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is representable
+        show_progress=False,
+    )
+    raw.train_from_iterator(_corpus(), trainer)
+    # Added after training so their ids follow the BPE vocabulary, as in Qwen checkpoints.
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS])
+    if coord_tokens:
+        raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in COORD_TOKENS])
+    tok = Qwen2Tokenizer(
+        tokenizer_object=raw,
+        unk_token=None,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=list(CHAT_SPECIAL_TOKENS[1:]),
+        model_max_length=32768,
+    )
+    tok.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    return tok
+
+
+def build_config(preset: str, tokenizer):
+    from transformers import Qwen2_5_VLConfig
+
+    spec = PRESETS[preset]
+    text = dict(spec["text"])
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    names = (ENDOFTEXT, IM_END, IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in names}
+    rows = -(-len(tokenizer) // EMBEDDING_ROW_MULTIPLE) * EMBEDDING_ROW_MULTIPLE
+    text.update(
+        vocab_size=rows,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope_section(head_dim)},
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+        tie_word_embeddings=spec["tie"],
+    )
+    vision = dict(
+        spec["vision"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+        hidden_act="silu", tokens_per_second=2, out_hidden_size=text["hidden_size"],
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=spec["tie"],
+    )
+
+
+def build_model(config, seed: int, dtype: str):
+    """Random weights, reproducible for a seed: built on the meta device, then materialised on CPU
+    and initialised by transformers' ``initialize_weights`` (which also fills the rotary buffers)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=getattr(torch, dtype))
+    model.to_empty(device="cpu")
+    model.initialize_weights()
+    model.tie_weights()
+    text = config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id, do_sample=False
+    )
+    return model.eval()
+
+
+def build_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
+
+
+def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None) -> dict:
+    return {
+        "builder": "tools/make_tiny_model.py",
+        "version": BUILDER_VERSION,
+        "preset": preset,
+        "seed": seed,
+        "coord_tokens": coord_tokens,
+        "dtype": dtype or PRESETS[preset]["dtype"],
+    }
+
+
+def _is_built(out: Path, params: dict) -> bool:
+    try:
+        return json.loads((out / BUILD_FILE).read_text()).get("params") == params
+    except (OSError, ValueError):
+        return False
+
+
+def _write(out: Path, params: dict) -> dict:
+    tokenizer = build_tokenizer(params["coord_tokens"])
+    config = build_config(params["preset"], tokenizer)
+    model = build_model(config, params["seed"], params["dtype"])
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    build_image_processor().save_pretrained(out)  # preprocessor_config.json
+    # NOTE: written by hand because Qwen2_5_VLProcessor cannot be instantiated without torchvision
+    # (its video processor needs it; huggingface/transformers#48558), so processor.save_pretrained is
+    # out of reach here. AutoProcessor reads processor_class and loads each part from its own file.
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2) + "\n")
+    info = {
+        "params": params,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "tokenizer_size": len(tokenizer),
+        "embedding_rows": config.text_config.vocab_size,
+        "special_token_ids": {t: tokenizer.convert_tokens_to_ids(t) for t in CHAT_SPECIAL_TOKENS},
+        "coord_token_ids": (
+            [tokenizer.convert_tokens_to_ids(COORD_TOKENS[0]), tokenizer.convert_tokens_to_ids(COORD_TOKENS[-1])]
+            if params["coord_tokens"]
+            else None
+        ),
+        "image_processor": {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "merge_size": 2},
+    }
+    (out / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")  # last: marks the build complete
+    return info
+
+
+def ensure_tiny_model(
+    path: str | os.PathLike[str] = "artifacts/tiny-model",
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    coord_tokens: bool = True,
+    dtype: str | None = None,
+    force: bool = False,
+) -> Path:
+    """The model directory at ``path``, built unless it already holds a build with these parameters.
+
+    Builds into a private sibling folder and renames it into place, so concurrent callers never see a
+    half-written directory; a folder that this tool did not write is never deleted.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    out = Path(path)
+    params = build_params(preset, seed, coord_tokens, dtype)
+    if not force and _is_built(out, params):
+        return out
+    if out.exists() and not (out / BUILD_FILE).is_file() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and was not written by tools/make_tiny_model.py; pick another --out")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        _write(tmp, params)
+        if not force and _is_built(out, params):  # a concurrent call finished first
+            return out
+        if out.exists():
+            shutil.rmtree(out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not _is_built(out, params):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tools/make_tiny_model.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="artifacts/tiny-model", help="model directory to write (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default: %(default)s)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="weight dtype (default: float32 for tiny, bfloat16 otherwise)")
+    parser.add_argument("--no-coord-tokens", action="store_true", help="leave out the 1000 <|coord_k|> tokens")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is up to date")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    try:
+        out = ensure_tiny_model(
+            args.out, preset=args.preset, seed=args.seed, coord_tokens=not args.no_coord_tokens,
+            dtype=args.dtype, force=args.force,
+        )
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    info = json.loads((out / BUILD_FILE).read_text())
+    print(
+        f"model: {out} (preset {args.preset}, {info['num_parameters']:,} parameters, "
+        f"tokenizer {info['tokenizer_size']}, embedding rows {info['embedding_rows']}, "
+        f"coord ids {info['coord_token_ids']}) in {time.monotonic() - t0:.1f}s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
