@@ -3,6 +3,7 @@
 PYTHON ?= python3
 CONFIG ?= configs/demo_cpu.yaml
 GPUS ?= 0
+RUN ?= runs/demo
 STAMP := .make/installed
 
 .PHONY: install test test-gpu demo data tiny-model launch-rollout stage-b bench docs plot clean
@@ -46,7 +47,7 @@ docs: $(STAMP)
 	$(PYTHON) -m common.config --markdown > docs/config.md
 
 plot: $(STAMP)
-	$(PYTHON) -m learner.plot runs/demo
+	$(PYTHON) -m launcher.plot $(RUN)
 
 clean:
 	rm -rf .make runs artifacts

@@ -98,6 +98,11 @@ class TrainingConfig:
     log_every_steps: int = doc("Metrics record every N optimizer steps (rank 0).", 1)
     tensorboard: bool = doc("Also write TensorBoard events (needs the tensorboard package).", False)
     progress: bool = doc("Progress bar on rank 0.", True)
+    trace_micro_steps: bool = doc(
+        "Each learner rank appends one JSON line per micro-step (kind, pack vers, sample ids, forwards) to "
+        "output_dir/trace_rank<r>.jsonl: audits and tests.",
+        False,
+    )
 
 
 @dataclass
@@ -183,6 +188,11 @@ class VLLMConfig:
     timeout_s: float = doc("Deadline for a server to become healthy at start.", 240.0)
     infer_timeout_s: float = doc("Read timeout of one /infer call (then retry, then split).", 120.0)
     connect_timeout_s: float = doc("Connect timeout of one HTTP call.", 10.0)
+    retry_backoff_s: float = doc("First retry delay of a failed /infer; doubles per attempt, ±50% jitter.", 0.5)
+    retry_backoff_max_s: float = doc("Cap on one retry delay.", 10.0)
+    balance: Literal["least_inflight", "round_robin"] = doc(
+        "How actors spread /infer calls over servers: fewest calls in flight, or in turn.", "least_inflight"
+    )
 
 
 @dataclass
@@ -237,6 +247,12 @@ class RolloutServerConfig:
     enable_prefix_caching: bool = doc("vLLM prefix caching (reset after every weight update).", True)
     sync_idle_timeout_s: float = doc("A sync session idle this long is aborted (old weights kept).", 120.0)
     log_level: str = doc("Server log level.", "info")
+    device: str = doc("hf engine device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.", "auto")
+    admission_timeout_s: float = doc(
+        "Longest an /infer call waits at a closed fence (or for min_ver) before a 503 naming the wait.", 600.0
+    )
+    max_bucket_mb: int = doc("Largest /sync/bucket body accepted (bigger is a 413); ≥ the learner's bucket_mb.", 2048)
+    shutdown_grace_s: float = doc("On SIGTERM, in-flight requests get this long to finish before they are cut.", 10.0)
 
 
 @dataclass
@@ -248,6 +264,20 @@ class ActorConfig:
     learner_wait_timeout_s: float = doc("Deadline for the learner rank's credits to appear at start.", 300.0)
     metrics_every_s: float = doc("Actor metrics JSONL cadence.", 10.0)
     max_samples: int | None = doc("Stop after this many samples (tests); None = run until told to stop.", None)
+    max_inflight_batches: int = doc(
+        "Concurrent /infer calls per actor (each of rollout_decode_batch_size samples); credits bound them too.", 2
+    )
+    send_timeout_s: float = doc("Deadline of one pack send; a pack not accepted by then stays queued and is retried.", 0.5)
+    learner_silence_s: float = doc(
+        "Credits silent this long = the learner is gone: generation pauses; after learner_wait_timeout_s more the actor exits.",
+        5.0,
+    )
+    lost_pack_timeout_s: float = doc(
+        "Packs sent but never acknowledged by credits for this long are counted lost and their credit returned.", 60.0
+    )
+    server_backoff_max_s: float = doc("Longest pause between retries while the rollout server is down.", 30.0)
+    stop_timeout_s: float = doc("On SIGTERM/SIGINT or max_samples: time allowed to finish rollouts and send packs.", 10.0)
+    dump_pack_digests: bool = doc("Log the sha256 of every sent pack's tensors in the actor metrics JSONL (tests).", False)
 
 
 @dataclass
@@ -269,7 +299,11 @@ class LearnerConfig:
     nproc_per_node: int = doc("Learner ranks started by the launcher.", 1)
     backend: Literal["auto", "gloo", "nccl"] = doc("torch.distributed backend; auto = nccl on CUDA else gloo.", "auto")
     collective_timeout_s: float = doc("Deadline for barriers/collectives; a timeout names the awaited step.", 600.0)
-    pack_wait_s: float = doc("How long a reserved B step may wait for packs (never: reservation is immediate).", 0.0)
+    pack_wait_s: float = doc(
+        "When the policy wants B but a rank holds fewer than GA eligible packs, re-check for up to this long "
+        "before falling back to A (counted in time/wait_for_packs). 0 = never wait: fall back at once.",
+        0.0,
+    )
 
 
 @dataclass
@@ -624,8 +658,9 @@ def load_config(
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as exc:
-        raise ConfigError([f"overrides {list(overrides)}: {exc}. Fix: use dotted key=value pairs"], source)
+    except (OmegaConfBaseException, TypeError, ValueError, KeyError) as exc:
+        raise ConfigError([f"overrides {list(overrides)}: {exc}. Fix: use dotted key=value pairs that match "
+                           "the YAML's structure (a list element is replaced as a whole list: key=[a,b])"], source)
     cfg = _build(schema, data if data is not None else {}, "", problems)
     if schema is Config and cfg is not None and not problems:
         ws = world_size if world_size is not None else cfg.learner.nproc_per_node

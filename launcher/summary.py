@@ -1,0 +1,104 @@
+"""Turn a run directory into the few numbers a user reads first (``make demo`` prints them).
+
+Reads ``{run}/metrics.jsonl`` (rank 0, one record per optimizer step) and ``{run}/processes.json``
+(the launcher's exit codes). Knows nothing about how the numbers were produced.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+K = "stage2_ab/async/"
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line from a killed run
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run summary as a dict (also written to ``summary.json``)."""
+    if not records:
+        return {"steps": 0}
+    b_recs = [r for r in records if r.get(K + "step_kind_b")]
+    last = records[-1]
+    trained_b = sum(len(v) for r in b_recs for v in r.get(K + "trained_pack_vers", []))
+    return {
+        "steps": len(records),
+        "steps_a": len(records) - len(b_recs),
+        "steps_b": len(b_recs),
+        "policy_wanted_b": int(sum(bool(r.get(K + "policy_wants_b")) for r in records)),
+        "b_skipped_due_to_queue": int(sum(bool(r.get(K + "b_step_skipped_due_to_queue")) for r in records)),
+        "b_ratio_realized": len(b_recs) / len(records),
+        "drop_stale_total": int(last.get(K + "drop_stale_total", 0)),
+        "drop_oldest_total": int(last.get(K + "drop_oldest_total", 0)),
+        "ver_final": int(last.get(K + "ver_current", 0)),
+        "syncs": int(sum(int(r.get("sync/count", 0)) for r in records)),
+        "packs_trained_b": trained_b,
+        "mean_fill_b": _mean([r.get("packing/fill", 0.0) for r in b_recs]),
+        "mean_fill_a": _mean([r.get("packing/fill", 0.0) for r in records if not r.get(K + "step_kind_b")]),
+        "busy_fraction": _mean([r.get("learner/busy_fraction", 0.0) for r in records]),
+        "wait_for_packs_s": sum(r.get("time/wait_for_packs", 0.0) for r in records),
+        "rollout_precision": _mean([r["rollout/precision"] for r in b_recs if "rollout/precision" in r]),
+        "rollout_recall": _mean([r["rollout/recall"] for r in b_recs if "rollout/recall" in r]),
+        "rollout_f1": _mean([r["rollout/f1"] for r in b_recs if "rollout/f1" in r]),
+        "loss_first": records[0].get("loss/total"),
+        "loss_last": last.get("loss/total"),
+    }
+
+
+def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> str:
+    if not s.get("steps"):
+        return "no optimizer steps recorded (see the logs under {output_dir}/logs/)"
+    f = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"  # noqa: E731
+    lines = [
+        "──────── tandem run summary ────────",
+        f"optimizer steps        {s['steps']}  (A {s['steps_a']}, B {s['steps_b']})",
+        f"B wanted by policy     {s['policy_wanted_b']}  (skipped for short queues: {s['b_skipped_due_to_queue']})",
+        f"b_ratio realised       {f(s['b_ratio_realized'])}",
+        f"packs trained (B)      {s['packs_trained_b']}",
+        f"drops: stale / oldest  {s['drop_stale_total']} / {s['drop_oldest_total']}",
+        f"final ver              {s['ver_final']}  (syncs: {s['syncs']})",
+        f"mean pack fill         B {f(s['mean_fill_b'])}  A {f(s['mean_fill_a'])}",
+        f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s)",
+        f"rollout P / R / F1     {f(s['rollout_precision'])} / {f(s['rollout_recall'])} / {f(s['rollout_f1'])}",
+        f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
+    ]
+    if wall_s is not None:
+        lines.append(f"wall time              {wall_s:.1f} s")
+    if exit_codes:
+        lines.append("exit codes             " + ", ".join(f"{k}={v}" for k, v in exit_codes.items()))
+    return "\n".join(lines)
+
+
+def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> dict:
+    s = summarize(read_metrics(run_dir))
+    if wall_s is not None:
+        s["wall_s"] = wall_s
+    if exit_codes is not None:
+        s["exit_codes"] = exit_codes
+    (Path(run_dir) / "summary.json").write_text(json.dumps(s, indent=2, default=str))
+    print(format_summary(s, wall_s, exit_codes))
+    return s
+
+
+if __name__ == "__main__":
+    import sys
+
+    print_summary(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/demo"))

@@ -1,0 +1,145 @@
+"""The Engine interface: what the HTTP layer and the sync fence need from a generation backend.
+
+Two engines implement it: ``hf`` (transformers ``generate``, CPU or GPU; the embedded default) and
+``vllm`` (``AsyncLLM``). The app and the fence only ever talk to this interface, so every route,
+the version counter and the sync state machine are tested with the hf engine on a CPU box.
+
+Lifecycle and the calls the fence makes, in order, for one weight sync::
+
+    start()                                   once, in the app lifespan (may take minutes)
+    generate(...)  *                          many, concurrently; cancellable
+    ── /sync/begin: admission closed; in-flight drained, or cancelled (fence mode abort) ──
+    pause()                                   engine is quiet: no generate() task is running
+    stage_bucket(tensors) *                   validate against manifest(), keep a staged copy
+    commit(expected_fingerprint) -> bool      atomic swap + cache reset; True = caches reset
+      or discard()                            drop the staged copy, old weights stay
+    resume()                                  before admission reopens
+    stop()                                    once, at shutdown
+
+What an engine does not know: HTTP, versions, sessions, authentication. Those live in
+``rollout_server/app.py`` and ``rollout_server/sync.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+from common.protocol import InferItem, InferOutput, SamplingParams, TensorSpec
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot serve as given (missing image, prompt too long, ...): a 4xx.
+
+    ``field`` is the dotted request path it is about (``items.0.images.1``), or None.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class WeightUpdateError(ValueError):
+    """A staged bucket or commit that does not match the served model (name, shape, dtype,
+    coverage, fingerprint): a 4xx, and the sync session is aborted with the old weights kept."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class EngineUnavailable(RuntimeError):
+    """The selected engine cannot run here (e.g. vLLM not installed); the message names the fix."""
+
+
+class Engine(abc.ABC):
+    """A generation backend with a staged, atomically committed weight update."""
+
+    #: ``hf`` or ``vllm`` (reported in /health and every InferResponse).
+    name: str = "engine"
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; raise on failure (the server then exits with code 3)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Release the model and any worker threads or processes; idempotent."""
+
+    # ---------------------------------------------------------------- serving
+
+    @abc.abstractmethod
+    async def generate(self, items: Sequence[InferItem], sampling: SamplingParams) -> list[InferOutput]:
+        """Complete every item under the current weights; outputs in item order.
+
+        Cancelling the awaiting task stops the work: the coroutine returns (raising
+        ``CancelledError``) only once the engine no longer computes on behalf of this call, so the
+        fence can rely on "no task running" meaning "engine quiet". Raises
+        :class:`EngineInputError` for requests it cannot serve.
+        """
+
+    @abc.abstractmethod
+    def encode_text(self, prompt: str) -> list[int]:
+        """Token ids of a raw text prompt (no chat template), for ``/v1/completions``."""
+
+    # ---------------------------------------------------------------- weights
+
+    @abc.abstractmethod
+    def manifest(self) -> list[TensorSpec]:
+        """Every served parameter the learner must send, once each (tied groups: first name only)."""
+
+    @abc.abstractmethod
+    def tied_groups(self) -> list[list[str]]:
+        """Groups of parameter names sharing one storage; the first of each is in the manifest."""
+
+    @abc.abstractmethod
+    def serving_dtype(self) -> str:
+        """Torch dtype name floating-point weights are served in (``bfloat16``, ``float32``, ...)."""
+
+    async def pause(self) -> None:
+        """Called once the fence is closed and no generate() runs (vLLM: pause the scheduler)."""
+
+    async def resume(self) -> None:
+        """Called before admission reopens, after a commit or a discard."""
+
+    @abc.abstractmethod
+    async def stage_bucket(self, tensors: dict[str, Any]) -> int:
+        """Validate ``{name: tensor}`` against the manifest and keep it staged; returns bytes staged.
+
+        Raises :class:`WeightUpdateError` naming the tensor for an unknown name, a repeat, or a
+        wrong shape or dtype. Served weights are untouched until :meth:`commit`.
+        """
+
+    @abc.abstractmethod
+    async def commit(self, expected_fingerprint: str | None = None) -> bool:
+        """Swap the staged weights in, all or nothing, then reset caches.
+
+        Raises :class:`WeightUpdateError` (old weights kept) when the staged set does not cover the
+        manifest or its fingerprint differs from ``expected_fingerprint``. Returns whether every
+        cache reset succeeded (a False leaves the server unable to vouch for outputs: the caller
+        marks it in error and does not bump ``ver``).
+        """
+
+    @abc.abstractmethod
+    async def discard(self) -> None:
+        """Drop whatever is staged; the served weights never changed."""
+
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """Cheap deterministic hash of the served weights (see ``rollout_server.weights.fingerprint``)."""
+
+    # ---------------------------------------------------------------- reporting
+
+    def world_size(self) -> int:
+        """Workers that receive weights (tensor x data parallel)."""
+        return 1
+
+    def health_info(self) -> dict[str, Any]:
+        """Extra facts for logs (device, dtype, parameter count); JSON-safe values only."""
+        return {}

@@ -1,0 +1,430 @@
+"""The sync fence and the version counter (design section 4), owned by the rollout server.
+
+Two pieces:
+
+* :class:`Fence` — an asyncio admission gate. Readers are /infer batches (``Fence.run``), the
+  writer is a weight sync. Each admitted batch holds a ticket carrying the ``ver`` it was admitted
+  under; the fence never lets a commit happen while a ticket is out, so that ``ver`` is exact for
+  the whole batch.
+* :class:`SyncController` — the session state machine behind ``/sync/*``; one client at a time.
+
+State machine (``SyncState``), with what unblocks each wait::
+
+      idle ──init──► open ──begin──► fenced ──bucket*──► fenced ──commit──► committing ──► idle
+       ▲               │  (admission closes: new /infer wait in Fence.run;      │  weights swapped,
+       │               │   drain: wait for in-flight tickets to finish          │  caches reset,
+       │               │   abort: cancel them; they re-run after the commit)    │  THEN ver += 1,
+       │               │                                                        │  THEN admission opens
+       └── abort, any failure (bad bucket, incomplete commit, drain timeout),
+           idle timeout (rollout_server.sync_idle_timeout_s) or session deadline:
+           staged weights dropped, old weights and old ver kept, admission reopens
+
+``abort`` fence mode: a cancelled batch is re-run by the server after the fence reopens, under the
+new ``ver``; the client just sees a slower success (no ``finish_reason: abort`` ever leaves the
+server). An abort of a request that had already produced its outputs is a no-op: the batch keeps
+its old ``ver``.
+
+What this module does not know: HTTP (routes call it with protocol models) or how an engine stores
+weights (it calls the Engine interface).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from common.protocol import (
+    SyncAbortRequest,
+    SyncAbortResponse,
+    SyncBeginRequest,
+    SyncBeginResponse,
+    SyncBucketHeader,
+    SyncBucketResponse,
+    SyncCommitRequest,
+    SyncCommitResponse,
+    SyncInitRequest,
+    SyncInitResponse,
+    SyncState,
+)
+from rollout_server import weights as W
+from rollout_server.engines.base import Engine, WeightUpdateError
+from rollout_server.errors import ApiError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class AdmissionTimeout(Exception):
+    """An /infer call waited longer than ``rollout_server.admission_timeout_s`` at the fence."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted batch: the ``ver`` it runs under and the task computing it."""
+
+    ver: int
+    admitted_at: float
+    task: asyncio.Future | None = None
+    aborted: bool = False
+
+
+class Fence:
+    """Admission gate: many batches in flight, or one weight sync, never both.
+
+    ``run(work)`` waits while the gate is closed (or until ``ver >= min_ver``), then runs
+    ``work()`` holding a ticket. ``close()`` stops new admissions; ``wait_quiet()`` is unblocked
+    by the last ticket's release; ``open(ver)`` sets the new version and wakes the waiters in one
+    step, so nobody is admitted under a stale ``ver``.
+    """
+
+    def __init__(self, ver: int = 0, on_wait: Callable[[float], None] | None = None) -> None:
+        self.ver = ver
+        self.reruns = 0
+        self.waiting = 0
+        self._open = True
+        self._cond = asyncio.Condition()
+        self._inflight: set[Ticket] = set()
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self._on_wait = on_wait
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    async def run(self, work: Callable[[], Awaitable[T]], *, min_ver: int | None = None,
+                  timeout_s: float = 600.0) -> tuple[Ticket, T]:
+        """Run ``work()`` under an admission ticket; re-run it if an abort-mode fence cuts it."""
+        while True:
+            ticket = await self._admit(min_ver, timeout_s)
+            try:
+                task = asyncio.ensure_future(work())
+                ticket.task = task
+                try:
+                    result = await task
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if ticket.aborted and (me is None or not me.cancelling()):
+                        self.reruns += 1
+                        continue  # cut by the fence, not by our caller: wait for the gate, run again
+                    raise
+                return ticket, result
+            finally:
+                self._release(ticket)
+
+    async def _admit(self, min_ver: int | None, timeout_s: float) -> Ticket:
+        def admissible() -> bool:
+            return self._open and (min_ver is None or self.ver >= min_ver)
+
+        async with self._cond:
+            if not admissible():
+                self.waiting += 1
+                t0 = time.monotonic()
+                try:
+                    await asyncio.wait_for(self._cond.wait_for(admissible), timeout=timeout_s)
+                except TimeoutError:
+                    why = "the sync fence to reopen" if not self._open else f"ver >= {min_ver} (now {self.ver})"
+                    raise AdmissionTimeout(f"waited {timeout_s:.0f}s for {why}") from None
+                finally:
+                    self.waiting -= 1
+                    if self._on_wait is not None:
+                        self._on_wait(time.monotonic() - t0)
+            ticket = Ticket(ver=self.ver, admitted_at=time.monotonic())
+            self._inflight.add(ticket)
+            self._quiet.clear()
+            return ticket
+
+    def _release(self, ticket: Ticket) -> None:
+        self._inflight.discard(ticket)
+        if not self._inflight:
+            self._quiet.set()
+
+    async def close(self) -> int:
+        """Stop admitting; returns the batches in flight at that moment."""
+        async with self._cond:
+            self._open = False
+            return len(self._inflight)
+
+    def abort_inflight(self) -> int:
+        """Cancel every running batch (they re-run after :meth:`open`); returns how many."""
+        n = 0
+        for ticket in list(self._inflight):
+            if ticket.task is not None and not ticket.task.done():
+                ticket.aborted = True
+                ticket.task.cancel()
+                n += 1
+        return n
+
+    async def wait_quiet(self, timeout_s: float) -> None:
+        """Return once no batch holds a ticket; TimeoutError after ``timeout_s``."""
+        await asyncio.wait_for(self._quiet.wait(), timeout=timeout_s)
+
+    async def open(self, ver: int | None = None) -> None:
+        """Set ``ver`` (if given) and reopen admission, atomically for waiters."""
+        async with self._cond:
+            if ver is not None:
+                if ver < self.ver:
+                    raise ValueError(f"ver must not go back ({self.ver} -> {ver})")
+                self.ver = ver
+            self._open = True
+            self._cond.notify_all()
+
+
+@dataclass(eq=False)
+class Session:
+    """One sync client's session (created by /sync/init, ended by commit, abort or a timeout)."""
+
+    id: str
+    client: str
+    transport: str
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    last_activity: float = field(default_factory=time.monotonic)
+    busy: int = 0
+    next_index: int = 0
+    nbytes: int = 0
+    fence_done: float | None = None
+    fence_s: float = 0.0
+
+
+class SyncController:
+    """The ``/sync/*`` state machine around one engine and one fence (see the module docstring)."""
+
+    def __init__(self, engine: Engine, fence: Fence, *, idle_timeout_s: float, metrics: Any = None) -> None:
+        self.engine = engine
+        self.fence = fence
+        self.idle_timeout_s = idle_timeout_s
+        self.metrics = metrics
+        self.state = SyncState.IDLE
+        self.session: Session | None = None
+        self.error: str | None = None  # set when the server can no longer vouch for its outputs
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _describe_holder(self) -> str:
+        s = self.session
+        assert s is not None
+        idle = time.monotonic() - s.last_activity
+        return (f"sync session {s.id} is held by {s.client!r} (state {self.state.value}, idle {idle:.1f}s; "
+                f"it expires after {self.idle_timeout_s:.0f}s idle)")
+
+    @contextlib.asynccontextmanager
+    async def _op(self, session_id: str, *allowed: SyncState):
+        async with self._lock:
+            s = self.session
+            if s is None:
+                raise ApiError(409, "sync_state", f"no sync session is open (session {session_id!r} ended: committed, "
+                               "aborted, or timed out); start again with /sync/init", field="session")
+            if s.id != session_id:
+                raise ApiError(409, "sync_conflict", f"session {session_id!r} is not the open one: "
+                               + self._describe_holder(), field="session")
+            if self.state not in allowed:
+                raise ApiError(409, "sync_state", f"call not allowed in state {self.state.value} "
+                               f"(allowed: {', '.join(a.value for a in allowed)})")
+            s.busy += 1
+            s.last_activity = time.monotonic()
+            try:
+                yield s
+            finally:
+                s.busy -= 1
+                s.last_activity = time.monotonic()
+
+    @contextlib.contextmanager
+    def receiving(self, session_id: str):
+        """Mark the session busy while a bucket body is still arriving (no idle timeout mid-upload)."""
+        s = self.session
+        if s is None or s.id != session_id:
+            yield
+            return
+        s.busy += 1
+        try:
+            yield
+        finally:
+            s.busy -= 1
+            s.last_activity = time.monotonic()
+
+    async def _end(self, reason: str, outcome: str) -> None:
+        """Drop the session and anything staged; keep weights and ver; reopen admission. Lock held."""
+        s = self.session
+        with contextlib.suppress(Exception):
+            await self.engine.discard()
+        if not self.fence.is_open and self.error is None:
+            with contextlib.suppress(Exception):
+                await self.engine.resume()
+            await self.fence.open()
+        self.session, self.state = None, SyncState.IDLE
+        if self.metrics is not None:
+            self.metrics.syncs.labels(outcome=outcome).inc()
+        log.warning("sync session %s from %s ended without commit (%s): old weights kept, ver %d",
+                    s.id if s else "?", s.client if s else "?", reason, self.fence.ver)
+
+    async def _fail(self, exc: ApiError, reason: str) -> ApiError:
+        await self._end(reason, "failed")
+        exc.body.message += f" -- sync session aborted, old weights kept (ver {self.fence.ver})"
+        return exc
+
+    # ------------------------------------------------------------------ routes
+
+    async def init(self, req: SyncInitRequest) -> SyncInitResponse:
+        async with self._lock:
+            if self.session is not None:
+                raise ApiError(409, "sync_conflict", self._describe_holder() + "; one sync client at a time",
+                               hint="wait for it, or abort it with /sync/abort and its session id")
+            if req.transport not in self.engine_transports():
+                raise ApiError(400, "bad_request", f"transport {req.transport!r} is not served by the "
+                               f"{self.engine.name} engine (it takes {self.engine_transports()})", field="transport",
+                               hint="set rollout_matching.vllm.sync.transport: http")
+            if req.transport == "nccl":  # pragma: no cover - vLLM engine only, needs GPUs
+                await self.engine.init_nccl(req)  # type: ignore[attr-defined]
+            self.session = Session(id=f"s-{secrets.token_hex(4)}", client=req.client, transport=req.transport,
+                                   deadline=time.monotonic() + req.timeout_s)
+            self.state = SyncState.OPEN
+            log.info("sync session %s opened by %s (%s)", self.session.id, req.client, req.transport)
+            return SyncInitResponse(session=self.session.id, ver=self.fence.ver, dtype=self.engine.serving_dtype(),
+                                    manifest=self.engine.manifest(), tied=self.engine.tied_groups())
+
+    def engine_transports(self) -> list[str]:
+        return list(getattr(self.engine, "transports", ("http",)))
+
+    async def begin(self, req: SyncBeginRequest) -> SyncBeginResponse:
+        async with self._op(req.session, SyncState.OPEN) as s:
+            t0 = time.monotonic()
+            in_flight = await self.fence.close()
+            self.state = SyncState.FENCED
+            aborted = self.fence.abort_inflight() if req.mode == "abort" else 0
+            try:
+                await self.fence.wait_quiet(req.timeout_s)
+            except TimeoutError:
+                raise await self._fail(ApiError(504, "sync_timeout", f"{self.fence.inflight} /infer batch(es) still "
+                                                f"running after {req.timeout_s:.0f}s of drain"),
+                                       "drain timeout") from None
+            await self.engine.pause()
+            s.fence_done = time.monotonic()
+            s.fence_s = s.fence_done - t0
+            if self.metrics is not None:
+                self.metrics.sync_seconds.labels(phase="fence").observe(s.fence_s)
+            log.info("sync %s: fence closed (%s) in %.3fs, drained %d, aborted %d",
+                     s.id, req.mode, s.fence_s, in_flight - aborted, aborted)
+            return SyncBeginResponse(ver_before=self.fence.ver, drained=in_flight - aborted, aborted=aborted,
+                                     fence_s=s.fence_s)
+
+    async def bucket(self, header: SyncBucketHeader, blob: bytes) -> SyncBucketResponse:
+        async with self._op(header.session, SyncState.FENCED) as s:
+            t0 = time.monotonic()
+            if header.index != s.next_index:
+                raise await self._fail(ApiError(409, "sync_state", f"bucket index {header.index}, expected "
+                                                f"{s.next_index} (buckets are numbered from 0, in order)",
+                                                field="index"), "bucket out of order")
+            try:
+                declared = sorted(zip(header.names, header.dtypes, header.shapes, map(tuple, header.offsets)),
+                                  key=lambda e: e[3][0])
+                actual = [(n, d, sh, tuple(o)) for n, d, sh, o in W.bucket_layout(blob)]
+                if declared != actual:
+                    raise ValueError(f"the {len(blob)}-byte body holds {[(n, d, sh) for n, d, sh, _ in actual][:3]}..., "
+                                     f"the header declares {[(n, d, sh) for n, d, sh, _ in declared][:3]}...")
+                tensors = W.decode_bucket(blob)
+            except ValueError as exc:
+                raise await self._fail(ApiError(400, "bad_request", f"bucket {header.index}: {exc}", field="body"),
+                                       "malformed bucket") from None
+            try:
+                nbytes = await self.engine.stage_bucket(tensors)
+            except WeightUpdateError as exc:
+                raise await self._fail(ApiError(400, "bad_request", f"bucket {header.index}: {exc}",
+                                                field=f"names.{exc.field}" if exc.field else "names"),
+                                       "bucket does not match the manifest") from None
+            s.next_index += 1
+            s.nbytes += nbytes
+            if self.metrics is not None:
+                self.metrics.sync_bytes.inc(nbytes)
+            return SyncBucketResponse(session=s.id, index=header.index, n_tensors=len(tensors), nbytes=nbytes,
+                                      elapsed_s=time.monotonic() - t0)
+
+    async def update(self, header: SyncBucketHeader) -> SyncBucketResponse:  # pragma: no cover - vLLM + GPUs
+        """One NCCL bucket: the engine receives what the learner broadcasts (``/sync/update``)."""
+        async with self._op(header.session, SyncState.FENCED) as s:
+            if s.transport != "nccl":
+                raise ApiError(409, "sync_state", "this session was opened with transport http: send /sync/bucket",
+                               field="transport")
+            t0 = time.monotonic()
+            try:
+                nbytes = await self.engine.receive_nccl(header)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - any failure ends the session, old weights kept
+                raise await self._fail(ApiError(500, "engine_error", f"NCCL bucket {header.index}: {exc}"),
+                                       "nccl update failed") from None
+            s.next_index += 1
+            s.nbytes += nbytes
+            return SyncBucketResponse(session=s.id, index=header.index, n_tensors=len(header.names), nbytes=nbytes,
+                                      elapsed_s=time.monotonic() - t0)
+
+    async def commit(self, req: SyncCommitRequest) -> SyncCommitResponse:
+        async with self._op(req.session, SyncState.FENCED) as s:
+            if req.n_buckets != s.next_index:
+                raise await self._fail(ApiError(409, "sync_state", f"commit says {req.n_buckets} bucket(s), the server "
+                                                f"staged {s.next_index}", field="n_buckets"), "bucket count mismatch")
+            self.state = SyncState.COMMITTING
+            t0 = time.monotonic()
+            try:
+                caches_reset = await self.engine.commit(req.fingerprint)
+            except WeightUpdateError as exc:
+                raise await self._fail(ApiError(400, "bad_request", str(exc), field=exc.field), "commit refused") from None
+            if not caches_reset:  # pragma: no cover - vLLM only
+                self.error = "cache reset failed after a weight update; restart the server"
+                self.session, self.state = None, SyncState.IDLE
+                raise ApiError(500, "engine_error", self.error)
+            fp = self.engine.fingerprint()
+            ver = self.fence.ver + 1
+            await self.engine.resume()
+            await self.fence.open(ver)  # ver += 1, THEN admission reopens (one step for waiters)
+            commit_s = time.monotonic() - t0
+            self.session, self.state = None, SyncState.IDLE
+            if self.metrics is not None:
+                m = self.metrics
+                m.sync_seconds.labels(phase="wire").observe(t0 - (s.fence_done or t0))
+                m.sync_seconds.labels(phase="commit").observe(commit_s)
+                m.sync_seconds.labels(phase="total").observe(time.monotonic() - s.started)
+                m.syncs.labels(outcome="committed").inc()
+            log.info("sync %s committed: ver %d, %d bucket(s), %.1f MB, fingerprint %s, commit %.3fs",
+                     s.id, ver, s.next_index, s.nbytes / 1e6, fp, commit_s)
+            return SyncCommitResponse(ver=ver, commit_s=commit_s, fingerprint=fp)
+
+    async def abort(self, req: SyncAbortRequest) -> SyncAbortResponse:
+        async with self._lock:
+            if self.session is None:
+                return SyncAbortResponse(ver=self.fence.ver, state=self.state, aborted=False)
+            if self.session.id != req.session:
+                raise ApiError(409, "sync_conflict", f"session {req.session!r} is not the open one: "
+                               + self._describe_holder(), field="session")
+            await self._end(f"aborted by client: {req.reason or 'no reason given'}", "aborted")
+            return SyncAbortResponse(ver=self.fence.ver, state=self.state, aborted=True)
+
+    async def watchdog(self, period_s: float = 0.2) -> None:
+        """Abort sessions idle past ``idle_timeout_s`` or past their own deadline (runs forever)."""
+        while True:
+            await asyncio.sleep(period_s)
+            s = self.session
+            if s is None or s.busy:
+                continue
+            now = time.monotonic()
+            reason = ("idle timeout" if now - s.last_activity > self.idle_timeout_s
+                      else "session deadline" if now > s.deadline else None)
+            if reason is None:
+                continue
+            async with self._lock:
+                if self.session is s and not s.busy:
+                    await self._end(f"{reason} after {now - s.last_activity:.1f}s without a call", "timeout")
+
+    async def shutdown(self) -> None:
+        async with self._lock:
+            if self.session is not None:
+                await self._end("server shutting down", "aborted")

@@ -1,0 +1,111 @@
+"""A real rollout server process for tests: started by PID, stopped by PID, with deadlines.
+
+    with rollout_server_process(tiny_model_dir, ["rollout_server.auth_token=t"]) as srv:
+        httpx.get(srv.url + "/health")
+
+The server runs ``python -m rollout_server --config configs/demo_cpu.yaml`` on a fresh loopback
+port; its output goes to a log file whose tail is quoted when something times out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.ports import free_port_block
+
+REPO = Path(__file__).resolve().parents[1]
+START_DEADLINE_S = 60.0
+STOP_DEADLINE_S = 20.0
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    port: int
+    log_path: Path
+    statuses_seen: list[str] = field(default_factory=list)  # /health status values while starting
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal our own PID, wait up to STOP_DEADLINE_S, then SIGKILL; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=STOP_DEADLINE_S)
+                raise AssertionError(f"rollout server pid {self.proc.pid} ignored SIGTERM for {STOP_DEADLINE_S}s:\n"
+                                     + self.log_tail()) from None
+        return self.proc.returncode
+
+
+def server_command(model_dir: Path, port: int, overrides: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "rollout_server", "--config", str(REPO / "configs" / "demo_cpu.yaml"),
+            f"rollout_server.port={port}", f"model.path={model_dir}", "rollout_server.log_level=warning", *overrides]
+
+
+def start_server(model_dir: Path, overrides: Sequence[str] = ()) -> ServerProcess:
+    """Launch a server on a fresh port and return at once (call ``wait_healthy`` before using it)."""
+    port = free_port_block(1)
+    log_file = tempfile.NamedTemporaryFile(prefix=f"rollout-server-{port}-", suffix=".log", delete=False)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.Popen(server_command(model_dir, port, overrides), cwd=REPO, stdout=log_file,
+                            stderr=subprocess.STDOUT, env=env)
+    log_file.close()
+    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", port=port, log_path=Path(log_file.name))
+
+
+def wait_healthy(srv: ServerProcess, deadline_s: float = START_DEADLINE_S) -> None:
+    """Poll /health until 200; records the statuses seen on the way; AssertionError with the log tail."""
+    end = time.monotonic() + deadline_s
+    while True:
+        if srv.proc.poll() is not None:
+            raise AssertionError(f"rollout server exited with code {srv.proc.returncode} during start:\n"
+                                 + srv.log_tail())
+        try:
+            r = httpx.get(srv.url + "/health", timeout=2.0)
+            status = r.json().get("status")
+            if not srv.statuses_seen or srv.statuses_seen[-1] != status:
+                srv.statuses_seen.append(status)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > end:
+            raise AssertionError(f"rollout server on port {srv.port} not healthy after {deadline_s}s "
+                                 f"(python -m rollout_server, pid {srv.proc.pid}):\n" + srv.log_tail())
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def rollout_server_process(model_dir: Path, overrides: Sequence[str] = (), *,
+                           deadline_s: float = START_DEADLINE_S, while_loading=None) -> Iterator[ServerProcess]:
+    """Start a server, run ``while_loading()`` if given, wait until /health is 200, yield it, SIGTERM it."""
+    srv = start_server(model_dir, overrides)
+    try:
+        if while_loading is not None:
+            while_loading()
+        wait_healthy(srv, deadline_s)
+        yield srv
+    finally:
+        srv.stop()
+        with contextlib.suppress(OSError):
+            os.unlink(srv.log_path)

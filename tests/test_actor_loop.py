@@ -1,0 +1,161 @@
+"""The actor loop in-process: real encoder, real ZMQ to a fake learner rank, a scripted rollout client.
+
+The scripted client stands in for the rollout server only so that its failures and versions can be
+chosen (server down, stale vers, ver advances, refused samples); the real server is exercised by
+``test_actor_process.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from actor.client import RolloutRequestError, RolloutUnavailable
+from actor.loop import EXIT_NO_LEARNER, EXIT_OK, ActorLoop
+from common.assistant_json import IM_END, GTObject, serialize_objects
+from common.config import load_config
+from tests.fake_learner import FakeLearnerRank
+from tests.ports import free_port_block
+
+DEADLINE_S = 60.0
+
+
+class ScriptedClient:
+    """``infer`` like ``RolloutClient``: fails the first ``fail_first`` calls, then answers one object under ``ver``."""
+
+    def __init__(self, tokenizer, *, fail_first: int = 0, vers=(0,), refuse_key: str | None = None):
+        self.tokenizer, self.fail_first, self.vers, self.refuse_key = tokenizer, fail_first, list(vers), refuse_key
+        self.calls: list[tuple[list[str], int | None]] = []
+        self._lock = threading.Lock()
+
+    def infer(self, items, sampling, *, min_ver=None, client=None):
+        with self._lock:
+            self.calls.append(([i.id for i in items], min_ver))
+            n = len(self.calls)
+        time.sleep(0.02)
+        if n <= self.fail_first:
+            raise RolloutUnavailable("no rollout server accepts connections (scripted)")
+        if self.refuse_key is not None and any(i.id == self.refuse_key for i in items):
+            raise RolloutRequestError(f"item {self.refuse_key}: image not found (scripted)", 400, "items.0.images.0")
+        ver = self.vers[min(n - 1 - self.fail_first, len(self.vers) - 1)]
+        answer = serialize_objects([GTObject("red circle", (10, 20, 300, 400))]) + IM_END
+        ids = self.tokenizer.encode(answer, add_special_tokens=False)
+        outputs = [type("Out", (), {"token_ids": ids, "ver": ver, "finish_reason": "stop", "prompt_token_ids": None})()
+                   for _ in items]
+        return type("Result", (), {"outputs": outputs})()
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_model_dir, synth_data_dir):
+    from actor.encode import Encoder
+
+    return Encoder(tiny_model_dir, 1024, image_root=str(synth_data_dir))
+
+
+@pytest.fixture
+def make(tiny_model_dir, synth_data_dir, tmp_path, encoder):
+    def build(client, *overrides):
+        cfg = load_config("configs/demo_cpu.yaml", [
+            f"model.path={tiny_model_dir}", f"data.train_jsonl={synth_data_dir / 'train.jsonl'}",
+            f"training.output_dir={tmp_path}", f"transport.base_port={free_port_block(2)}",
+            "actor.metrics_every_s=0.5", "actor.learner_wait_timeout_s=10", "actor.stop_timeout_s=20",
+            "training.pack_max_wait_s=0.3", "actor.server_backoff_max_s=0.5", "learner.nproc_per_node=1", *overrides,
+        ])
+        return ActorLoop(cfg, 0, 0, encoder=encoder, client=client, config_path="configs/demo_cpu.yaml")
+
+    return build
+
+
+def run_with_deadline(loop: ActorLoop) -> int:
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(loop.run()), daemon=True)
+    thread.start()
+    thread.join(DEADLINE_S)
+    if thread.is_alive():
+        loop.request_stop()
+        thread.join(10)
+        raise AssertionError(f"actor loop did not finish within {DEADLINE_S}s")
+    return result[0]
+
+
+def test_the_actor_backs_off_while_the_server_is_down_and_carries_on_when_it_returns(make, encoder):
+    client = ScriptedClient(encoder.tokenizer, fail_first=3)
+    loop = make(client, "actor.max_samples=6")
+    with FakeLearnerRank(loop.cfg.transport, consume_every_s=0.05) as learner:
+        assert run_with_deadline(loop) == EXIT_OK
+    c = loop.counters()
+    assert c["actor/server_errors"] == 3 and c["actor/conservation_ok"] == 1
+    keys = [k for r in learner.received for k in r.keys]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 6  # the failed batches were retried, nothing lost
+
+
+def test_rollouts_that_would_arrive_stale_are_dropped_before_packing_and_rolled_out_again(make, encoder):
+    client = ScriptedClient(encoder.tokenizer, vers=(2, 2, 5))  # the learner is at ver 5, window 1
+    loop = make(client, "actor.max_samples=6")
+    with FakeLearnerRank(loop.cfg.transport, ver_current=5, version_window=1, consume_every_s=0.05) as learner:
+        assert run_with_deadline(loop) == EXIT_OK
+    c = loop.counters()
+    assert c["actor/stale_dropped"] >= 2 and c["actor/conservation_ok"] == 1
+    assert {r.ver for r in learner.received} == {5}
+    assert sorted(k for r in learner.received for k in r.keys) == sorted({k for r in learner.received for k in r.keys})
+    assert len([k for r in learner.received for k in r.keys]) == 6
+    assert all(min_ver == 4 for _, min_ver in client.calls)  # never asked for what would arrive stale
+
+
+@pytest.mark.parametrize("policy", ["flush", "drop"])
+def test_a_server_ver_advance_flushes_or_drops_old_leftovers_and_never_mixes_vers(make, encoder, policy):
+    client = ScriptedClient(encoder.tokenizer, vers=(0, 1, 1, 1))
+    loop = make(client, "actor.max_samples=8", "training.packing_min_fill_ratio=1.0", "training.pack_max_wait_s=60",
+                f"actor.flush_policy={policy}", "actor.max_inflight_batches=1")
+    with FakeLearnerRank(loop.cfg.transport, target=8, version_window=5, consume_every_s=0.05) as learner:
+        assert run_with_deadline(loop) == EXIT_OK
+    c = loop.counters()
+    assert all(set(r.segment_vers) == {r.ver} for r in learner.received)
+    assert c["actor/conservation_ok"] == 1
+    vers = [r.ver for r in learner.received]
+    if policy == "flush":
+        assert vers[0] == 0 and set(vers[1:]) == {1} and c["actor/flushed_dropped"] == 0
+    else:
+        assert set(vers) == {1} and c["actor/flushed_dropped"] == 2
+
+
+def test_a_stop_request_finishes_rollouts_flushes_and_sends_everything_before_exiting(make, encoder):
+    loop = make(ScriptedClient(encoder.tokenizer), "training.pack_max_wait_s=60", "training.packing_min_fill_ratio=1.0")
+    with FakeLearnerRank(loop.cfg.transport, target=4, consume_every_s=0.05) as learner:
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(loop.run()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while loop.counters()["actor/segments_built"] < 3:
+            assert time.monotonic() < deadline and thread.is_alive(), "no segments built in time"
+            time.sleep(0.05)
+        loop.request_stop()
+        thread.join(DEADLINE_S)
+        assert not thread.is_alive() and result == [EXIT_OK]
+    c = loop.counters()
+    assert c["actor/dropped_at_stop"] == 0 and c["actor/segments_sent"] == c["actor/segments_built"] >= 3
+    assert len([k for r in learner.received for k in r.keys]) == c["actor/segments_sent"]
+
+
+def test_an_absent_learner_is_waited_for_then_named_with_the_command_that_starts_it(make, encoder, caplog):
+    loop = make(ScriptedClient(encoder.tokenizer), "actor.learner_wait_timeout_s=1")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="actor.loop"):
+        assert run_with_deadline(loop) == EXIT_NO_LEARNER
+    assert time.monotonic() - t0 < 10
+    assert loop.subscriber.endpoint in caplog.text and "torchrun --nproc_per_node=1 learner/main.py" in caplog.text
+    assert "actor.learner_wait_timeout_s" in caplog.text
+
+
+def test_a_sample_the_server_refuses_is_dropped_and_the_rest_of_its_batch_goes_through(make, encoder):
+    loop = make(ScriptedClient(encoder.tokenizer), "actor.max_samples=4")
+    first_keys = [next(iter(loop.stream)).key]
+    loop.client.refuse_key = first_keys[0]
+    with FakeLearnerRank(loop.cfg.transport, target=4, consume_every_s=0.05) as learner:
+        assert run_with_deadline(loop) == EXIT_OK
+    c = loop.counters()
+    keys = sorted(k for r in learner.received for k in r.keys)
+    assert c["actor/rejected_samples"] == 1 and first_keys[0] not in keys and len(keys) == 3
