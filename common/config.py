@@ -585,8 +585,27 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     if cfg.learner.gpus and cfg.learner.nproc_per_node > len(cfg.learner.gpus):
         problems.add("learner.nproc_per_node", cfg.learner.nproc_per_node, f"more ranks than learner.gpus {cfg.learner.gpus}",
                      "list one GPU per learner rank")
+    _check_durations(cfg, "", problems)
+    if isinstance(srv.max_bucket_mb, int) and isinstance(rm.vllm.sync.bucket_mb, int) and srv.max_bucket_mb < rm.vllm.sync.bucket_mb:
+        problems.add("rollout_server.max_bucket_mb", srv.max_bucket_mb,
+                     f"below rollout_matching.vllm.sync.bucket_mb {rm.vllm.sync.bucket_mb}: every bucket would be refused",
+                     "raise rollout_server.max_bucket_mb or lower the learner's bucket_mb")
     positive("rollout_server.port", srv.port)
     positive("transport.base_port", cfg.transport.base_port)
+
+
+def _check_durations(obj: Any, prefix: str, problems: _Problems) -> None:
+    """Every ``*_s`` field is a duration ≥ 0; every ``*timeout*_s`` is a deadline > 0."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{prefix}.{_yaml_key(f)}" if prefix else _yaml_key(f)
+        if dataclasses.is_dataclass(v):
+            _check_durations(v, key, problems)
+        elif f.name.endswith("_s") and isinstance(v, (int, float)) and not isinstance(v, bool):
+            if "timeout" in f.name and v <= 0:
+                problems.add(key, v, "a deadline must be > 0", f"set {key} to a positive number of seconds")
+            elif v < 0:
+                problems.add(key, v, "a duration cannot be negative", f"set {key} ≥ 0")
 
 
 def derive(cfg: Config, world_size: int = 1) -> Derived:

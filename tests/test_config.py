@@ -158,3 +158,14 @@ def test_config_reference_documents_every_key():
     for key in ["stage2_ab.schedule.b_ratio", "stage2_ab.channel_b.async.queue_limit", "rollout_matching.decoding.top_p",
                 "transport.base_port", "rollout_server.auth_token"]:
         assert f"`{key}`" in md
+
+
+def test_deadlines_must_be_positive_and_durations_non_negative():
+    probs = problems_of(BASE + ["rollout_matching.vllm.infer_timeout_s=0", "training.pack_max_wait_s=-1"])
+    assert any(p.startswith("rollout_matching.vllm.infer_timeout_s") and "> 0" in p for p in probs)
+    assert any(p.startswith("training.pack_max_wait_s") and "negative" in p for p in probs)
+
+
+def test_list_element_override_is_a_config_error_not_a_crash():
+    probs = problems_of(BASE + ["rollout_matching.vllm.servers.0.base_url=http://x:1"])
+    assert any(p.startswith("rollout_matching.vllm.servers") and "list" in p for p in probs)
