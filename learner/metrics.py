@@ -1,0 +1,190 @@
+"""Per-optimizer-step metrics: gathered from every rank, written by rank 0 (design section 10).
+
+Each rank fills one :class:`RankStats` per step; :func:`gather_step` all-gathers them as one
+fixed-length float vector (one collective, every rank, every step) and rank 0 turns them into one
+JSONL record (``{training.output_dir}/metrics.jsonl``, one line per optimizer step), optional
+TensorBoard scalars and a tqdm bar. Keys are ``<area>/<name>``; stalls are ``time/wait_*``.
+
+Aggregation rule: losses are already normalised by step-global counts, so they are *summed* over
+ranks; counters (drops, received, ...) are summed for the ``*_total`` keys and also reported per
+rank under ``queue/rank<r>/*`` (the conservation identity is checked per rank); times are the
+max over ranks (the slowest rank sets the step time) with ``*_mean`` next to them.
+
+What this module does not know: models, sockets, or how the values were measured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from common.matching import precision_recall_f1
+from learner.queue import COUNTER_NAMES
+
+log = logging.getLogger(__name__)
+
+#: Scalar per-rank fields, in vector order (the trained pack vers follow, padded to GA with -1).
+RANK_FIELDS = (
+    "kind_b", "micro_steps", "forwards", "backwards", "max_forwards_per_micro", "packs", "segments", "tokens",
+    "time_forward_backward", "time_wait_for_packs", "time_step",
+    "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou",
+    "ver_lag_sum", "ver_lag_max", "queue_depth", "fill_sum", "ver_current", "sync_client_calls",
+    "a_dropped_total", "a_window_carry",
+    "rollout_n_pred", "rollout_n_gt", "rollout_n_matched", "rollout_parse_truncated", "rollout_invalid_rollout",
+    *(f"queue_{name}" for name in COUNTER_NAMES),
+)
+
+
+class RankStats(dict):
+    """This rank's numbers for one optimizer step (keys: :data:`RANK_FIELDS`) plus ``trained_vers``."""
+
+    def __init__(self) -> None:
+        super().__init__({k: 0.0 for k in RANK_FIELDS})
+        self.trained_vers: list[int] = []
+
+    def add_pack_meta(self, segment_meta: list[dict[str, Any]]) -> None:
+        """Sum the actor's per-segment rollout counters of a trained B pack."""
+        for m in segment_meta:
+            inner = m.get("meta", {})
+            for key in ("n_pred", "n_gt", "n_matched", "parse_truncated", "invalid_rollout"):
+                value = inner.get(key, 0)
+                if isinstance(value, (int, float)):
+                    self[f"rollout_{key}"] += value
+
+    def vector(self, ga: int) -> list[float]:
+        vers = (self.trained_vers + [-1] * ga)[:ga]
+        return [float(self[k]) for k in RANK_FIELDS] + [float(v) for v in vers]
+
+
+def unpack(vector: list[float], ga: int) -> RankStats:
+    stats = RankStats()
+    for k, v in zip(RANK_FIELDS, vector):
+        stats[k] = v
+    stats.trained_vers = [int(v) for v in vector[len(RANK_FIELDS):len(RANK_FIELDS) + ga] if v >= 0]
+    return stats
+
+
+def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], packing_length: int) -> dict[str, Any]:
+    """The JSONL record of optimizer step ``step`` from every rank's stats and rank 0's facts.
+
+    ``facts`` holds the rank-0 values: policy/kind/skip flags, ver_current, realized ratio, sync
+    timings and counts, lr, grad norm.
+    """
+    n = len(per_rank)
+
+    def total(key: str) -> float:
+        return sum(r[key] for r in per_rank)
+
+    step_s = max(r["time_step"] for r in per_rank) or 1e-9
+    fb = [r["time_forward_backward"] for r in per_rank]
+    packs, tokens, lags = total("packs"), total("tokens"), [v for r in per_rank for v in r.trained_vers]
+    p, rc, f1 = precision_recall_f1(int(total("rollout_n_matched")), int(total("rollout_n_pred")), int(total("rollout_n_gt")))
+    rec: dict[str, Any] = {
+        "step": step,
+        **facts,
+        "stage2_ab/async/queue_depth": total("queue_depth") / n,
+        "stage2_ab/async/queue_depth_min": min(r["queue_depth"] for r in per_rank),
+        "stage2_ab/async/ver_lag_mean": (total("ver_lag_sum") / len(lags)) if lags else 0.0,
+        "stage2_ab/async/ver_lag_max": max((r["ver_lag_max"] for r in per_rank), default=0.0) if lags else 0.0,
+        "stage2_ab/async/drop_stale_total": total("queue_stale_dropped"),
+        "stage2_ab/async/drop_oldest_total": total("queue_oldest_dropped"),
+        "stage2_ab/async/drop_duplicate_total": total("queue_duplicate_dropped"),
+        "stage2_ab/async/malformed_total": total("queue_malformed"),
+        "stage2_ab/async/trained_pack_vers": [r.trained_vers for r in per_rank],
+        "stage2_ab/async/kinds_by_rank": ["B" if r["kind_b"] else "A" for r in per_rank],
+        "stage2_ab/async/ver_current_by_rank": [int(r["ver_current"]) for r in per_rank],
+        "sync/client_calls_by_rank": [int(r["sync_client_calls"]) for r in per_rank],
+        "loss/total": total("loss_total"),
+        "loss/ce": total("loss_ce"),
+        "loss/bbox_smoothl1": total("loss_bbox_smoothl1"),
+        "loss/bbox_ciou": total("loss_bbox_ciou"),
+        "time/step": step_s,
+        "time/forward_backward": max(fb),
+        "time/forward_backward_mean": sum(fb) / n,
+        "time/wait_for_packs": max(r["time_wait_for_packs"] for r in per_rank),
+        "learner/busy_fraction": min(1.0, (sum(fb) / n) / step_s),
+        "learner/micro_steps": [int(r["micro_steps"]) for r in per_rank],
+        "learner/forwards": [int(r["forwards"]) for r in per_rank],
+        "learner/backwards": [int(r["backwards"]) for r in per_rank],
+        "learner/max_forwards_per_micro_step": int(max(r["max_forwards_per_micro"] for r in per_rank)),
+        "throughput/tokens_per_s": tokens / step_s,
+        "throughput/packs_per_s": packs / step_s,
+        "packing/fill": (total("fill_sum") / packs) if packs else 0.0,
+        "packing/segments": int(total("segments")),
+        "packing/tokens": int(tokens),
+        "packing/channel_a_dropped_total": int(total("a_dropped_total")),
+        "packing/window_carry": int(total("a_window_carry")),
+        "rollout/precision": p,
+        "rollout/recall": rc,
+        "rollout/f1": f1,
+        "rollout/parse_truncated": int(total("rollout_parse_truncated")),
+        "rollout/invalid_rollout": int(total("rollout_invalid_rollout")),
+    }
+    for r, stats in enumerate(per_rank):
+        for name in COUNTER_NAMES:
+            rec[f"queue/rank{r}/{name}"] = int(stats[f"queue_{name}"])
+    return rec
+
+
+class MetricsWriter:
+    """Rank 0's sinks: JSONL (always), TensorBoard (optional), a tqdm bar (optional)."""
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, progress: bool,
+                 start_step: int, max_steps: int) -> None:
+        self.enabled = enabled
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "metrics.jsonl"
+        self._jsonl = self.path.open("a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:
+                log.warning("training.tensorboard: true but the tensorboard package is missing "
+                            "(pip install tensorboard); writing metrics.jsonl only")
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=max_steps, initial=start_step, desc="learner", unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record, default=_plain) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, record["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(kind=record.get("stage2_ab/async/step_kind_b"), loss=f"{record['loss/total']:.3f}",
+                                  ver=record.get("stage2_ab/async/ver_current"), refresh=False)
+
+    def close(self) -> None:
+        for sink in (self._jsonl, self._tb, self._bar):
+            if sink is not None:
+                sink.close()
+
+
+def _plain(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def gather_stats_record(dist: Any, step: int, stats: RankStats, facts: dict[str, Any], ga: int,
+                        packing_length: int) -> dict[str, Any] | None:
+    """All-gather every rank's stats (one collective, every rank); rank 0 gets the record, others None."""
+    vectors = dist.all_gather(stats.vector(ga), f"metrics all_gather at step {step}")
+    if not dist.is_main:
+        return None
+    return step_record(step, [unpack(v, ga) for v in vectors], facts, packing_length)

@@ -1,0 +1,174 @@
+"""The policy on the learner: loading, packed forward, optimizer and LR schedule.
+
+Packed forward, and how segments are kept apart (transformers 5.23, Qwen2/2.5-VL)::
+
+    pack arrays (common.segment)                     model inputs (batch 1)
+    input_ids [T] ──────────────────────────────────► input_ids [1, T]
+    position_ids [3, T]  (mRoPE, per segment) ──┐
+    cu_seqlens [S+1] ─► text positions [T] ─────┴──► position_ids [4, 1, T]   row 0 = text positions,
+                    │                                                          rows 1..3 = mRoPE (t, h, w)
+                    └─► block-diagonal causal ─────► attention_mask [1, 1, T, T]   (sdpa: bool, eager: additive)
+                                                     None for flash_attention_2
+    pixel_values [P, D], image_grid_thw [I, 3] ────► the vision tower (it splits images by grid itself)
+
+``Qwen2_5_VLTextModel.forward`` takes a 4-row ``position_ids`` as "packed": row 0 (text positions,
+restarting at 0 in every segment) is what the mask builder and flash-attention read to find
+segment boundaries (``find_packed_sequence_indices``: a new segment wherever the position does not
+step by 1; FA2 derives ``cu_seqlens`` from it), rows 1..3 feed the 3-D rotary embedding. A 3-row
+``position_ids`` is *not* treated as packed: segments would attend to each other. For sdpa/eager we
+also pass the block-diagonal 4-D mask built from ``cu_seqlens`` ourselves, which the mask builder
+returns as-is, so isolation does not rest on that heuristic. A 1-row model (no mRoPE) gets
+``position_ids [1, T]`` and the same mask. ``tests/test_loss.py`` proves the isolation.
+
+What this module does not know: ranks, queues, or where packs come from.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.tokens import require_coord_tokens
+from learner.loss import Rows, supervised_rows
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bool = False) -> tuple[torch.nn.Module, Any, list[int]]:
+    """(model in train mode on ``device``, tokenizer, coord ids) from ``model.path``."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer  # heavy: deferred
+
+    tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+    coord_ids = require_coord_tokens(tokenizer, model_cfg.path) if model_cfg.coord_tokens else []
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_cfg.path, dtype=dtype, attn_implementation=model_cfg.attn_implementation
+    )
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if coord_ids and max(coord_ids) >= vocab:
+        raise ValueError(
+            f"{model_cfg.path}: coord token id {max(coord_ids)} is outside the model's vocabulary ({vocab}). "
+            "Fix: resize the embeddings when adding the coord tokens and save the model again"
+        )
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.to(device).train()
+    return model, tokenizer, coord_ids
+
+
+# --------------------------------------------------------------------------------------------- packs
+
+
+@dataclass
+class PackInputs:
+    """One pack on the device: the model's keyword arguments and the rows the loss needs."""
+
+    model_kwargs: dict[str, Any]
+    rows: Rows
+    n_tokens: int
+    n_segments: int
+
+
+def text_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[T]`` positions restarting at 0 at every ``cu_seqlens`` boundary."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+    return torch.arange(int(cu_seqlens[-1])) - starts
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[1, 1, T, T]`` causal mask that only lets a token see its own segment (None for FA2).
+
+    sdpa takes the boolean form (True = attend); eager adds the mask to the scores, so it gets 0
+    and the dtype's most negative value.
+    """
+    if attn_implementation == "flash_attention_2":
+        return None
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seg = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+    t = seg.shape[0]
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    if attn_implementation == "sdpa":
+        return allowed[None, None]
+    mask = torch.zeros(t, t, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def pack_inputs(
+    arrays: Mapping[str, np.ndarray], attn_implementation: str, dtype: torch.dtype, device: torch.device
+) -> PackInputs:
+    """Model inputs for the ``PACK_TENSOR_SPECS`` arrays of one pack (see the module diagram)."""
+    t = {k: torch.from_numpy(np.array(v, copy=True) if not v.flags.writeable else v) for k, v in arrays.items()}
+    cu = t["cu_seqlens"].long()
+    rope = t["position_ids"]
+    if rope.shape[0] == 3:
+        position_ids = torch.cat([text_positions(cu)[None], rope], dim=0)[:, None, :]
+    else:
+        position_ids = rope[:1]
+    kwargs: dict[str, Any] = {
+        "input_ids": t["input_ids"][None].to(device),
+        "position_ids": position_ids.to(device),
+        "attention_mask": None,
+    }
+    mask = block_causal_mask(cu, attn_implementation, dtype)
+    if mask is not None:
+        kwargs["attention_mask"] = mask.to(device)
+    if t["image_grid_thw"].shape[0]:
+        kwargs["pixel_values"] = t["pixel_values"].to(device=device, dtype=dtype)
+        kwargs["image_grid_thw"] = t["image_grid_thw"].to(device)
+    rows = supervised_rows(t["labels"], t["coord_pos"], t["coord_bins"], t["weights"])
+    rows = Rows(*(x.to(device) for x in (rows.ce_src, rows.ce_targets, rows.ce_weights, rows.coord_src, rows.coord_bins)))
+    return PackInputs(kwargs, rows, n_tokens=int(t["input_ids"].shape[0]), n_segments=int(cu.shape[0] - 1))
+
+
+def forward_rows(model: torch.nn.Module, inputs: PackInputs) -> torch.Tensor:
+    """Logits ``[N, V]`` at ``inputs.rows.all_src`` only: one packed forward, the vocab projection on N rows."""
+    out = model(**inputs.model_kwargs, logits_to_keep=inputs.rows.all_src, use_cache=False)
+    return out.logits[0]
+
+
+# --------------------------------------------------------------------------------------------- optimizer
+
+
+def build_optimizer(model: torch.nn.Module, training: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over trainable parameters and a linear-warmup + cosine schedule to ``min_lr_ratio · lr``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=training.lr, weight_decay=training.weight_decay)
+    warmup, total, floor = training.warmup_steps, max(1, training.max_steps), training.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_and_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float
+) -> float:
+    """Clip (if ``max_grad_norm`` > 0), step, zero; returns the pre-clip gradient norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    else:
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))) if params else 0.0
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm

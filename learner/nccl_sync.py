@@ -1,0 +1,329 @@
+"""Learner rank 0 -> rollout server weight push over NCCL (the GPU path of design section 4).
+
+    sender = NcclWeightSender("http://127.0.0.1:8000", master_addr="10.0.0.5", timeout_s=300)
+    report = sender.push(model.named_parameters(), bucket_bytes=512 << 20, fence="drain")
+
+One push, with what each wait is unblocked by::
+
+    GET /health                          engine (vllm | hf) and its worker count W, once per group
+    /sync/init (transport nccl)  ─┐      first push only: the server joins a new group of 1 + W ranks
+      ∥ join the group as rank 0 ─┘      both block until every rank joined (deadline: timeout_s)
+    plan + fingerprint                   names mapped to the server's manifest, cast to its dtype
+    /sync/begin                          the server's fence: admission closed, in-flight drained/aborted
+    /sync/update (ONE call)      ─┐      announces every tensor (names, dtypes, shapes, offsets);
+      ∥ packed broadcasts        ─┘      rank 0 broadcasts chunks of ~bucket_bytes on 2 side streams;
+                                         the call returns once every worker received and loaded them
+    /sync/commit                         finish the update, caches reset, ver += 1, fence reopens
+
+Packing is vLLM's (``rollout_server.weights.packed_chunks``): tensors in manifest order are
+concatenated as bytes until a chunk exceeds ``bucket_bytes``, so the vLLM engine's native consumer
+(``update_weights(packed=True)``) and the hf engine's receiver cut the stream the same way.
+
+The group is dedicated (never the DDP group) and kept across pushes. Its flavour follows the
+server's engine: vLLM workers rendezvous through vLLM's ``StatelessProcessGroup`` +
+``PyNcclCommunicator`` (so that side needs vLLM importable on the learner), the hf engine through a
+plain ``torch.distributed`` ``TCPStore`` + ``ProcessGroupNCCL``.
+
+Watchdog: the broadcasts run on a daemon thread that polls each chunk's completion with the push's
+deadline, while the HTTP call (with its own timeout) runs on the calling thread. A dead or frozen
+server becomes a :class:`~rollout_server.sync_client.SyncError` within ``timeout_s``, never a hang;
+the group is then dropped (aborted where the backend can) and the next push builds a new one on a
+fresh port. Any failure after ``/sync/init`` sends a best-effort ``/sync/abort``.
+
+What this module does not know: when to sync (``learner/weights.py``) or how the server stages weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from common.protocol import SyncBucketHeader
+from rollout_server import weights as W
+from rollout_server.sync_client import SyncError, SyncReport, WeightSyncClient
+
+log = logging.getLogger(__name__)
+
+NUM_BUFFERS = 2  # chunks in flight on the sender (double buffering, as vLLM's producer)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the rendezvous store binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("localhost",) else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _VllmGroup:
+    """vLLM's trainer side of its native NCCL weight transfer: rank 0 of a ``PyNcclCommunicator``."""
+
+    flavour = "vllm"
+
+    def __init__(self, master_addr: str, master_port: int, world_size: int, timeout_s: float, device: Any) -> None:
+        torch.cuda.set_device(device)  # trainer_init uses the current device, which is per thread
+        # NOTE: vLLM 0.28 removed NCCLWeightTransferEngine.trainer_init (vllm-project/vllm#50902); the
+        # module-level helper below exists from 0.20 through 0.26, the range pyproject pins.
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.comm = trainer_init({"master_address": master_addr, "master_port": master_port, "world_size": world_size})
+        self.timeout_s = timeout_s
+
+    def broadcast(self, tensor: torch.Tensor) -> Callable[[], bool]:
+        stream = torch.cuda.current_stream()
+        self.comm.broadcast(tensor, src=0, stream=stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event.query
+
+    def abort(self) -> None:
+        self.comm = None  # PyNcclCommunicator has no abort: a stuck kernel stays on its side stream
+
+
+class _TorchGroup:
+    """Plain ``torch.distributed`` group (the hf engine's receiver; gloo when the tensors are on CPU)."""
+
+    flavour = "torch"
+
+    def __init__(self, master_addr: str, master_port: int, world_size: int, timeout_s: float, backend: str,
+                 device: Any) -> None:
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        self.group = W.TorchTransferGroup(master_addr, master_port, 0, world_size, backend=backend, timeout_s=timeout_s)
+        warm = torch.zeros(1, device=device if backend == "nccl" else "cpu")  # matches the receiver's first broadcast
+        W.wait_work(self.group.broadcast(warm), timeout_s, "the weight-transfer group's first broadcast")
+
+    def broadcast(self, tensor: torch.Tensor) -> Callable[[], bool]:
+        return self.group.broadcast(tensor).is_completed
+
+    def abort(self) -> None:
+        self.group.abort()
+
+
+class NcclWeightSender:
+    """Pushes full weights to one rollout server over a dedicated NCCL group (module docstring)."""
+
+    def __init__(self, base_url: str, *, auth_token: str | None = None, timeout_s: float = 300.0,
+                 master_addr: str = "127.0.0.1", client_id: str | None = None, connect_timeout_s: float = 10.0) -> None:
+        self.client = WeightSyncClient(base_url, auth_token=auth_token, timeout_s=timeout_s, client_id=client_id,
+                                       connect_timeout_s=connect_timeout_s)
+        self.base_url, self.timeout_s, self.master_addr = base_url, timeout_s, master_addr
+        self._group: Any = None
+        self._rendezvous: dict[str, Any] | None = None
+        self.groups_created = 0
+
+    def close(self) -> None:
+        self._drop_group("sender closed")
+        self.client.close()
+
+    def _drop_group(self, why: str) -> None:
+        group, self._group, self._rendezvous = self._group, None, None
+        if group is not None:
+            log.warning("dropping the weight-transfer group with %s (%s); the next push builds a new one",
+                        self.base_url, why)
+            try:
+                group.abort()
+            except Exception as exc:  # noqa: BLE001 - best effort on a broken communicator
+                log.warning("could not abort the weight-transfer communicator: %s", exc)
+
+    # ------------------------------------------------------------------ steps
+
+    def _open(self, bucket_bytes: int, device: torch.device, deadline: float):
+        """``/sync/init``; the first time (or after a drop) also builds the group, concurrently with it."""
+        if self._group is not None:
+            return self.client.open(bucket_bytes, nccl=self._rendezvous)
+        health = self.client.health()
+        world = 1 + health.world_size
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        rdv = {"master_addr": self.master_addr, "master_port": free_port(self.master_addr), "world_size": world,
+               "rank_offset": 1}
+        box: dict[str, Any] = {}
+
+        def init() -> None:
+            try:
+                box["session"] = self.client.open(bucket_bytes, nccl=rdv)
+            except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
+                box["error"] = exc
+
+        http = threading.Thread(target=init, name="wsync-init", daemon=True)
+        http.start()  # the server joins while we do: vLLM's init blocks until every rank is in
+        remaining = max(1.0, deadline - time.monotonic())
+        try:
+            if health.engine == "vllm":
+                group: Any = _run_with_deadline(lambda: _VllmGroup(rdv["master_addr"], rdv["master_port"], world,
+                                                                   self.timeout_s, device), remaining,
+                                                f"vLLM workers of {self.base_url} to join the weight-transfer group",
+                                                lambda: box.get("error"))
+            else:
+                group = _run_with_deadline(lambda: _TorchGroup(rdv["master_addr"], rdv["master_port"], world,
+                                                               self.timeout_s, backend, device), remaining,
+                                           f"the {health.engine} engine of {self.base_url} to join the group",
+                                           lambda: box.get("error"))
+        except BaseException:
+            http.join(timeout=1.0)
+            if "error" in box:
+                raise box["error"] from None
+            raise
+        http.join(timeout=max(1.0, deadline - time.monotonic()))
+        if "error" in box:
+            raise box["error"]
+        if "session" not in box:
+            raise SyncError("init", f"/sync/init on {self.base_url} did not answer within {self.timeout_s:.0f}s")
+        self._group, self._rendezvous = group, rdv
+        self.groups_created += 1
+        log.info("weight-transfer group with %s (%s engine, %d ranks) on %s:%d", self.base_url, health.engine, world,
+                 rdv["master_addr"], rdv["master_port"])
+        return box["session"]
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
+             fence: str = "drain", on_phase: Callable[[str], None] | None = None) -> SyncReport:
+        """Send every served weight and commit; raises :class:`SyncError` (server keeps old weights and ver).
+
+        ``on_phase(name)`` is called after ``begin`` (tests use it to freeze the server mid-sync).
+        """
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        named_tensors = list(named_tensors)
+        device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
+        had_group = self._group is not None
+        try:
+            session = self._open(bucket_bytes, device, deadline)
+        except BaseException:
+            if had_group:  # e.g. the server restarted and lost the group: build a new one next time
+                self._drop_group("/sync/init failed")
+            raise
+        info = session.info
+        try:
+            planned = WeightSyncClient.plan(info, named_tensors)
+            dtypes = {s.name: s.dtype for s in info.manifest}
+            fp = W.fingerprint(planned, dtypes)  # of the tensors as the server will hold them
+            specs = [(dtypes[n], list(t.shape)) for n, t in planned]
+            header = SyncBucketHeader(session=session.id, index=0, names=[n for n, _ in planned],
+                                      dtypes=[d for d, _ in specs], shapes=[s for _, s in specs],
+                                      offsets=W.packed_offsets(specs))  # type: ignore[arg-type]
+            chunks = W.packed_chunks([end - begin for begin, end in header.offsets], bucket_bytes)
+            tensors = [(t.detach(), W.torch_dtype(dtypes[n])) for n, t in planned]  # cast chunk by chunk
+            ready = None
+            if tensors[0][0].is_cuda:  # the side streams must see what the caller's stream wrote (optimizer step)
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(tensors[0][0].device))
+            t1 = time.monotonic()
+            begun = session.begin(fence)
+            t2 = time.monotonic()
+            if on_phase is not None:
+                on_phase("begun")
+            sender = _Broadcaster(self._group, tensors, chunks, deadline, ready)
+            sender.start()
+            session.update(header)  # returns once the server received every chunk
+            sender.join(deadline)
+            t3 = time.monotonic()
+            done = session.commit(fp)
+            t4 = time.monotonic()
+        except BaseException as exc:
+            if not isinstance(exc, SyncError) or exc.phase in ("update", "wire"):
+                self._drop_group(f"{type(exc).__name__} during the push")
+            try:
+                session.abort(f"learner push failed: {type(exc).__name__}: {exc}"[:500])
+            except Exception as abort_exc:  # noqa: BLE001 - the server's idle timeout is the backstop
+                log.warning("could not abort sync session %s: %s", session.id, abort_exc)
+            raise
+        if done.fingerprint != fp:
+            raise SyncError("commit", f"server fingerprint {done.fingerprint} != learner {fp}")
+        nbytes = header.offsets[-1][1]
+        report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
+                            bytes=nbytes, n_buckets=len(chunks), fingerprint=done.fingerprint,
+                            ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted)
+        log.info("weights synced to %s over NCCL: ver %d, %d chunk(s), %.1f MB, fence %.3fs wire %.3fs (%.1f GB/s) "
+                 "commit %.3fs, fingerprint %s", self.base_url, report.ver, len(chunks), nbytes / 1e6, report.fence_s,
+                 report.wire_s, nbytes / max(report.wire_s, 1e-9) / 1e9, report.commit_s, report.fingerprint)
+        return report
+
+
+class _Broadcaster(threading.Thread):
+    """Rank 0's packed broadcasts on ``NUM_BUFFERS`` side streams; every wait polls with the deadline.
+
+    Each chunk is cast to the serving dtype and concatenated on its side stream (after ``ready``, the
+    caller's stream at push time), then broadcast; a buffer slot is reused only once its previous
+    broadcast completed, so at most ``NUM_BUFFERS`` chunks of ~bucket_bytes exist at a time.
+    """
+
+    def __init__(self, group: Any, tensors: list[tuple[torch.Tensor, torch.dtype]], chunks: list[list[int]],
+                 deadline: float, ready: Any) -> None:
+        super().__init__(name="wsync-broadcast", daemon=True)
+        self.group, self.tensors, self.chunks, self.deadline, self.ready = group, tensors, chunks, deadline, ready
+        self.error: BaseException | None = None
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
+        while not done():
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"{what} not received by the server before the sync deadline")
+            time.sleep(0.0002)
+
+    def _flat(self, idx: list[int]) -> torch.Tensor:
+        return torch.cat([t.to(dtype).contiguous().reshape(-1).view(torch.uint8) for t, dtype in
+                          (self.tensors[i] for i in idx)])
+
+    def run(self) -> None:
+        try:
+            device = self.tensors[0][0].device
+            cuda = device.type == "cuda"
+            if cuda:
+                torch.cuda.set_device(device)  # the current device is per thread
+            streams = [torch.cuda.Stream(device=device) if cuda else None for _ in range(NUM_BUFFERS)]
+            in_flight: list[tuple[torch.Tensor, Callable[[], bool]] | None] = [None] * NUM_BUFFERS
+            for k, idx in enumerate(self.chunks):
+                b = k % NUM_BUFFERS
+                if in_flight[b] is not None:
+                    self._wait(in_flight[b][1], f"chunk {k - NUM_BUFFERS}")
+                    in_flight[b] = None
+                if cuda:
+                    with torch.cuda.stream(streams[b]):
+                        streams[b].wait_event(self.ready)
+                        flat = self._flat(idx)
+                        in_flight[b] = (flat, self.group.broadcast(flat))
+                else:
+                    flat = self._flat(idx)
+                    in_flight[b] = (flat, self.group.broadcast(flat))
+            for item in in_flight:
+                if item is not None:
+                    self._wait(item[1], "the last chunks")
+        except BaseException as exc:  # noqa: BLE001 - reported by join()
+            self.error = exc
+
+    def join(self, deadline: float) -> None:  # type: ignore[override]
+        super().join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        if self.is_alive():
+            raise SyncError("wire", "the NCCL broadcast thread is still running after the sync deadline")
+        if self.error is not None:
+            raise SyncError("wire", f"NCCL broadcast failed: {type(self.error).__name__}: {self.error}")
+
+
+def _run_with_deadline(fn: Callable[[], Any], timeout_s: float, awaited: str,
+                       early_error: Callable[[], BaseException | None]) -> Any:
+    """Run a blocking join on a daemon thread; SyncError after ``timeout_s`` or as soon as the HTTP side failed."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    t = threading.Thread(target=target, name="wsync-join", daemon=True)
+    t.start()
+    end = time.monotonic() + timeout_s
+    while t.is_alive():
+        if early_error() is not None:
+            raise SyncError("init", f"/sync/init failed while waiting for {awaited}: {early_error()}")
+        if time.monotonic() > end:
+            raise SyncError("init", f"waited {timeout_s:.0f}s for {awaited}")
+        t.join(timeout=0.05)
+    if "error" in box:
+        raise SyncError("init", f"joining the weight-transfer group failed: {type(box['error']).__name__}: "
+                        f"{box['error']}") from box["error"]
+    return box["value"]

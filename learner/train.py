@@ -1,0 +1,365 @@
+"""The learner loop (async mode) and the machinery the step/micro modes share (learner/modes.py).
+
+One optimizer step, every rank in lockstep; what each wait is unblocked by::
+
+    ┌─ boundary before step s ──────────────────────────────────────────────────────────────────┐
+    │ sync due? (first step of the process, then every sync_every_steps)        learner/weights.py │
+    │   barrier ─► rank 0 pushes weights to the server(s) ─► barrier ─► broadcast [ver, ok]        │
+    │   (unblocked by rank 0's push returning: success, error or sync.timeout_s)                   │
+    │   every rank: queue.set_ver(ver) → stale packs dropped, credits republished                  │
+    │ decision: all_reduce(MIN eligible) ─► rank 0 kind ─► broadcast ─► reserve GA packs (B)       │
+    │   (unblocked by every rank reaching the decision; waits for packs only if pack_wait_s > 0)   │
+    │ GA packs: B = the reserved ones; A = learner/data.py window (exactly GA)                    │
+    │ normaliser: all_reduce(SUM) of CE tokens and boxes of every rank's GA packs                 │
+    │ GA micro-steps, ONE packed forward/backward each; no_sync on all but the last               │
+    │   (the last backward's gradient all-reduce waits for every rank's backward)                 │
+    │ clip, AdamW step, LR schedule; global_step = s + 1                                          │
+    │ all_gather of this step's per-rank stats ─► rank 0 writes metrics.jsonl                     │
+    │ checkpoint due? (every rank writes its part; barriers)                                      │
+    └─────────────────────────────────────────────────────────────────────────────────────────────┘
+    Meanwhile, on every rank, the ready queue's receiver thread drains ZMQ and publishes credits.
+    Nothing in the loop waits on an actor: an empty queue makes an A step.
+
+On B steps the Channel-A sampler does not advance (origin hazard 6: no silently discarded A data).
+
+What this module does not know: sockets beyond constructing them, or how actors produce packs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import ConfigError
+from common.schedule import RealizedRatio, exact_ratio
+from learner import checkpoint
+from learner.data import ChannelAData
+from learner.decision import decide_step
+from learner.distributed import Dist
+from learner.loss import LossWeights, Normaliser, pack_loss
+from learner.metrics import MetricsWriter, RankStats, gather_stats_record
+from learner.model import PackInputs, build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, resolve_dtype
+from learner.queue import ReadyQueue
+from learner.weights import WeightSync
+
+log = logging.getLogger(__name__)
+
+REALIZED_WINDOW = 100  # optimizer steps behind stage2_ab/async/b_ratio_realized
+
+
+class Learner:
+    """Model, optimizer, Channel-A data, weight sync, metrics and checkpoints of one rank."""
+
+    def __init__(self, cfg: Any, dist: Dist) -> None:
+        self.cfg, self.dist = cfg, dist
+        self.ga = cfg.derived.gradient_accumulation_steps
+        self.b_ratio = exact_ratio(cfg.stage2_ab.schedule.b_ratio)
+        self.packing_length = cfg.derived.packing_length
+        self.out = Path(cfg.training.output_dir)
+        self.step = 0
+        self.ver = 0
+        self.realized = RealizedRatio(REALIZED_WINDOW)
+        self.recent_kinds: deque[bool] = deque(maxlen=REALIZED_WINDOW)  # checkpointed to restore ``realized``
+        self.b_trained: set[str] = set()  # the B-sample ledger (shared with the ready queue in async mode)
+        self.totals = {"steps_a": 0, "steps_b": 0, "b_skipped_due_to_queue": 0, "optimizer_updates": 0, "forwards": 0}
+        self.queue: ReadyQueue | None = None
+        self._sockets: list[Any] = []
+        self._trace = None
+        self.sync = WeightSync(cfg, dist)
+        ab = cfg.stage2_ab
+        self.loss_weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def open_queue(self) -> None:
+        """Bind this rank's pack PULL and credit PUB first, so actors can connect while the model loads."""
+        from common.transport import CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
+
+        t, a = self.cfg.transport, self.cfg.stage2_ab.channel_b.async_
+        receiver = PackReceiver(pack_endpoint(t, self.dist.rank), hwm=t.hwm, linger_ms=t.linger_ms)
+        publisher = CreditPublisher(credit_endpoint(t, self.dist.rank))
+        self._sockets = [receiver, publisher]
+        self.queue = ReadyQueue(
+            rank=self.dist.rank, queue_limit=a.queue_limit, version_window=a.version_window,
+            target=a.prefetch_target_packs, recv=receiver.recv, publish=publisher.publish,
+            credit_interval_s=t.credit_interval_s, trained_ids=self.b_trained,
+        )
+        log.info("rank %d: packs at %s, credits at %s", self.dist.rank, receiver.endpoint, publisher.endpoint)
+
+    def setup(self) -> None:
+        cfg, dist = self.cfg, self.dist
+        if cfg.stage2_ab.channel_b.async_.sync_mode != "blocking":
+            raise ConfigError([
+                f"stage2_ab.channel_b.async.sync_mode = {cfg.stage2_ab.channel_b.async_.sync_mode!r}: not implemented "
+                "yet (design section 4: a later goal). Fix: use sync_mode: blocking"
+            ])
+        sync_t = cfg.rollout_matching.vllm.sync.timeout_s
+        if dist.world_size > 1 and cfg.learner.collective_timeout_s <= sync_t:
+            raise ConfigError([
+                f"learner.collective_timeout_s = {cfg.learner.collective_timeout_s}: must exceed "
+                f"rollout_matching.vllm.sync.timeout_s = {sync_t} (the other ranks wait at a barrier while rank 0 "
+                f"pushes). Fix: raise learner.collective_timeout_s above {sync_t}"
+            ])
+        from actor.stream import resolve_resume_checkpoint
+
+        torch.manual_seed(cfg.training.seed)
+        self.resume_from = resolve_resume_checkpoint(cfg.training.resume, self.out)
+        model_cfg = cfg.model if self.resume_from is None else replace(cfg.model, path=str(self.resume_from / "model"))
+        model, tokenizer, coord_ids = load_policy(model_cfg, dist.device, cfg.training.gradient_checkpointing)
+        self.tokenizer, self.coord_ids = tokenizer, torch.tensor(coord_ids, device=dist.device)
+        self.calls = {"forward": 0, "backward": 0}  # measured by hooks, not assumed (metrics + trace)
+        model.register_forward_pre_hook(lambda *_: self.calls.__setitem__("forward", self.calls["forward"] + 1))
+        self.dtype = resolve_dtype(cfg.model.dtype, dist.device)
+        self.hf_model = model
+        self.optimizer, self.scheduler = build_optimizer(model, cfg.training)
+        if dist.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # find_unused_parameters: a pack without images leaves the vision tower unused on that rank.
+            self.model = DDP(
+                model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+                find_unused_parameters=True, forward_sync_buffers=False,  # buffers (rope) are constant
+            )
+        else:
+            self.model = model
+        from actor.encode import encoder_from_config
+
+        self.encoder = encoder_from_config(cfg)
+        self.data_a = ChannelAData(cfg, self.encoder, rank=dist.rank, world_size=dist.world_size, ga=self.ga)
+        self._resume()
+        if cfg.training.trace_micro_steps:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._trace = (self.out / f"trace_rank{dist.rank}.jsonl").open("a", encoding="utf-8")
+        self.writer = MetricsWriter(
+            self.out, enabled=dist.is_main, tensorboard=cfg.training.tensorboard,
+            progress=cfg.training.progress, start_step=self.step, max_steps=cfg.training.max_steps,
+        )
+
+    def _resume(self) -> None:
+        ckpt = self.resume_from
+        if ckpt is None:
+            return
+        state, rank_state, ledger = checkpoint.load(
+            ckpt, self.dist, model=self.hf_model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        self.step, self.ver = int(state["global_step"]), int(state["ver"])
+        self.totals.update(state["totals"])
+        self.sync.counts.update(state["sync_counts"])
+        for kind_b in state["recent_kinds_b"]:
+            self.realized.record(kind_b)
+            self.recent_kinds.append(kind_b)
+        self.realized.total_steps, self.realized.total_b = state["realized_total_steps"], state["realized_total_b"]
+        self.data_a.load_state_dict(rank_state["data_a"], self.ver)
+        self.b_trained.update(ledger)
+        if self.queue is not None:
+            self.queue.counters.update(rank_state.get("queue", {}))
+            self.queue.set_ver(self.ver)
+        log.info("rank %d resumed from %s: global_step %d, ver %d, %d B samples in the ledger",
+                 self.dist.rank, ckpt, self.step, self.ver, len(ledger))
+
+    # -- one optimizer step's pieces ------------------------------------------------------------
+
+    def maybe_sync(self, facts: dict[str, Any]) -> None:
+        """The blocking weight sync of learner/weights.py when due; every rank adopts rank 0's ver."""
+        if not self.sync.due(self.step):
+            return
+        result = self.sync.run(self.model, self.step, self.ver)
+        if result.ok:
+            self.ver = result.ver
+        if self.queue is not None:
+            self.queue.set_ver(self.ver)
+        facts.update(result.metrics)
+        facts["sync/ok"] = facts["sync/count"] = int(result.ok)  # count: syncs committed in this step (sum over records)
+
+    def inputs(self, arrays: dict) -> PackInputs:
+        return pack_inputs(arrays, self.cfg.model.attn_implementation, self.dtype, self.dist.device)
+
+    def global_normaliser(self, inputs: list[PackInputs]) -> Normaliser:
+        """CE tokens and boxes over every rank's packs of this step (one all_reduce)."""
+        ce, boxes = self.dist.all_reduce(
+            [sum(i.rows.n_ce for i in inputs), sum(i.rows.n_boxes for i in inputs)], "sum",
+            f"supervised-token count (all_reduce SUM) at step {self.step}",
+        )
+        return Normaliser(ce_tokens=ce, boxes=boxes, scale=float(self.dist.world_size))
+
+    def _count_backward(self, grad: torch.Tensor) -> None:
+        self.calls["backward"] += 1
+
+    def forward_backward(self, inp: PackInputs, norm: Normaliser, stats: RankStats, *, sync_grads: bool,
+                         loss_scale: float = 1.0) -> dict[str, int]:
+        """One packed forward and one backward; gradients all-reduce only if ``sync_grads``.
+
+        Returns the forwards and backwards the hooks actually saw (1 and 1; a test checks it).
+        """
+        no_sync = getattr(self.model, "no_sync", None)
+        ctx = no_sync() if (no_sync is not None and not sync_grads) else contextlib.nullcontext()
+        before = dict(self.calls)
+        t0 = time.monotonic()
+        with ctx:
+            logits = forward_rows(self.model, inp)
+            if logits.requires_grad:
+                logits.register_hook(self._count_backward)
+            terms = pack_loss(logits, inp.rows, self.coord_ids, norm, self.loss_weights)
+            (terms.backward * loss_scale).backward()
+        stats["time_forward_backward"] += time.monotonic() - t0
+        seen = {k: self.calls[k] - before[k] for k in self.calls}
+        stats["forwards"] += seen["forward"]
+        stats["backwards"] += seen["backward"]
+        stats["micro_steps"] += 1
+        stats["max_forwards_per_micro"] = max(stats["max_forwards_per_micro"], seen["forward"], seen["backward"])
+        stats["packs"] += 1
+        stats["segments"] += inp.n_segments
+        stats["tokens"] += inp.n_tokens
+        stats["fill_sum"] += inp.n_tokens / self.packing_length
+        for key, value in (("loss_total", terms.total), ("loss_ce", terms.ce), ("loss_bbox_smoothl1", terms.bbox_smoothl1),
+                           ("loss_bbox_ciou", terms.bbox_ciou)):
+            stats[key] += value * loss_scale
+        self.totals["forwards"] += seen["forward"]
+        return seen
+
+    def trace(self, **record: Any) -> None:
+        if self._trace is not None:
+            self._trace.write(json.dumps({"rank": self.dist.rank, "step": self.step, **record}) + "\n")
+            self._trace.flush()
+
+    def finish_step(self, stats: RankStats, facts: dict[str, Any], kind_b: bool, t_step: float) -> None:
+        """Optimizer update, counters, the gathered metrics record, and a checkpoint when due."""
+        facts["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.training.max_grad_norm)
+        facts["train/lr"] = self.scheduler.get_last_lr()[0]
+        self.totals["optimizer_updates"] += 1
+        self.totals["steps_b" if kind_b else "steps_a"] += 1
+        self.realized.record(kind_b)
+        self.recent_kinds.append(kind_b)
+        stats["kind_b"] = float(kind_b)
+        stats["ver_current"] = self.ver
+        stats["sync_client_calls"] = self.sync.client_calls
+        a = self.data_a.counters
+        stats["a_dropped_total"], stats["a_window_carry"] = a["too_long_dropped"] + a["record_errors"], a["window_carry"]
+        if self.queue is not None:
+            counters = self.queue.snapshot()
+            for name, value in counters.items():
+                stats[f"queue_{name}"] = value
+        stats["time_step"] = time.monotonic() - t_step
+        facts.update({
+            "global_step": self.step + 1,
+            "stage2_ab/async/ver_current": self.ver,
+            "stage2_ab/async/b_ratio_realized": self.realized.value,
+            "stage2_ab/async/b_ratio_realized_cumulative": self.realized.cumulative,
+            **self.sync.counts,
+            **{f"learner/{k}_total": v for k, v in self.totals.items()},
+        })
+        record = gather_stats_record(self.dist, self.step, stats, facts, self.ga, self.packing_length)
+        if record is not None:
+            self.writer.write(record)
+        self.step += 1
+        every = self.cfg.training.save_every_steps
+        if (every and self.step % every == 0) or self.step >= self.cfg.training.max_steps:
+            self.save()
+
+    def save(self) -> None:
+        queue_state = {}
+        if self.queue is not None:
+            c = self.queue.snapshot()
+            # Waiting packs are not checkpointed (actors re-produce them): drop them from "received".
+            c["received"] -= c["in_queue"] + c["reserved"]
+            queue_state = {k: v for k, v in c.items() if k not in ("in_queue", "reserved")}
+        checkpoint.save(
+            self.out, self.step, self.dist, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            model_path=self.cfg.model.path,
+            trainer_state={
+                "global_step": self.step, "ver": self.ver, "totals": self.totals, "sync_counts": self.sync.counts,
+                "recent_kinds_b": list(self.recent_kinds), "realized_total_steps": self.realized.total_steps,
+                "realized_total_b": self.realized.total_b,
+            },
+            rank_state={"data_a": self.data_a.state_dict(), "queue": queue_state},
+            trained_ids=self.b_trained,
+        )
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.queue.stop()
+        for sock in self._sockets:
+            sock.close()
+        if self._trace is not None:
+            self._trace.close()
+        if getattr(self, "writer", None) is not None:
+            self.writer.close()
+
+    # -- the async loop -------------------------------------------------------------------------
+
+    def async_step(self) -> None:
+        t_step = time.monotonic()
+        stats, facts = RankStats(), {}
+        self.maybe_sync(facts)
+        t0 = time.monotonic()
+        decision = decide_step(self.step, self.b_ratio, self.ga, self.queue, self.dist, wait_s=self.cfg.learner.pack_wait_s)
+        stats["time_wait_for_packs"] = time.monotonic() - t0
+        stats["queue_depth"] = decision.local_eligible
+        kind_b = decision.kind == "B"
+        if kind_b:
+            items = decision.packs
+            arrays, metas = [it.arrays for it in items], [it.message.meta.get("segments", []) for it in items]
+        else:
+            packs = self.data_a.next_window(self.ver)
+            items, arrays, metas = [None] * len(packs), [p.tensors() for p in packs], [p.segment_meta() for p in packs]
+        if len(arrays) != self.ga:  # DDP safety: every rank runs exactly GA micro-steps
+            raise RuntimeError(f"rank {self.dist.rank}: {len(arrays)} packs for a window of GA={self.ga} at step {self.step}")
+        inputs = [self.inputs(a) for a in arrays]
+        norm = self.global_normaliser(inputs)
+        for i, (inp, item, meta) in enumerate(zip(inputs, items, metas)):
+            seen = self.forward_backward(inp, norm, stats, sync_grads=(i == self.ga - 1))
+            pack_ver = item.ver if item is not None else self.ver
+            if item is not None:
+                self.queue.mark_trained(item)  # type: ignore[union-attr]
+                lag = self.ver - item.ver
+                stats["ver_lag_sum"] += lag
+                stats["ver_lag_max"] = max(stats["ver_lag_max"], lag)
+                stats.trained_vers.append(item.ver)
+                stats.add_pack_meta(meta)
+            self.trace(micro=i, kind=decision.kind, ver_current=self.ver, pack_ver=pack_ver, forwards=seen["forward"],
+                       backwards=seen["backward"], sample_ids=[m["sample_id"] for m in meta], tokens=inp.n_tokens)
+        facts.update({
+            "stage2_ab/async/policy_wants_b": int(decision.policy_wants_b),
+            "stage2_ab/async/step_kind_b": int(kind_b),
+            "stage2_ab/async/b_step_skipped_due_to_queue": int(decision.skipped_due_to_queue),
+            "stage2_ab/async/min_eligible": decision.min_eligible,
+        })
+        self.totals["b_skipped_due_to_queue"] += int(decision.skipped_due_to_queue)
+        self.finish_step(stats, facts, kind_b, t_step)
+
+
+def run(cfg: Any, dist: Dist) -> int:
+    """The learner process: set up, loop until ``training.max_steps``, clean up. Returns an exit code."""
+    mode = cfg.stage2_ab.channel_b.mode
+    if mode != "async" and dist.world_size > 1:
+        raise ConfigError([  # load_config checks this when given the world size; this covers any other path
+            f"stage2_ab.channel_b.mode = {mode!r}: runs on one learner process, but WORLD_SIZE = {dist.world_size}. "
+            "Fix: use stage2_ab.channel_b.mode: async for multi-GPU learners (or --nproc_per_node=1)"
+        ])
+    learner = Learner(cfg, dist)
+    try:
+        if mode == "async":
+            learner.open_queue()
+        learner.setup()
+        if learner.queue is not None:
+            learner.queue.start()
+        if mode == "async":
+            while learner.step < cfg.training.max_steps:
+                learner.async_step()
+        else:
+            from learner.modes import run_sync_mode
+
+            run_sync_mode(learner, mode)
+        if learner.queue is not None:
+            learner.queue.check_conservation()
+    finally:
+        learner.close()
+    return 0
