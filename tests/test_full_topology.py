@@ -1,0 +1,119 @@
+"""The whole topology, as `make demo` runs it but shorter: launcher → rollout server (hf engine),
+two actors, `torchrun --nproc_per_node=2` learner on gloo. Asserts invariants from the run's own
+metrics, then that every process exited 0 and none is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.schedule import wants_b
+from tests.ports import free_port_block
+
+REPO = Path(__file__).resolve().parents[1]
+DEADLINE_S = 420
+
+
+def _config(tmp_path: Path, tiny_model_dir: Path, synth_data_dir: Path) -> tuple[Path, dict]:
+    cfg = yaml.safe_load((REPO / "configs/demo_cpu.yaml").read_text())
+    http = free_port_block(1)
+    zmq = free_port_block(4)
+    cfg["model"]["path"] = str(tiny_model_dir)
+    cfg["data"] = {"train_jsonl": str(synth_data_dir / "train.jsonl"), "val_jsonl": None}
+    cfg["training"].update(output_dir=str(tmp_path / "run"), max_steps=12, save_every_steps=0)
+    cfg["rollout_matching"]["vllm"]["servers"] = [{"base_url": f"http://127.0.0.1:{http}"}]
+    cfg["rollout_matching"]["decoding"]["max_new_tokens"] = 48
+    cfg["rollout_server"]["port"] = http
+    cfg["transport"]["base_port"] = zmq
+    # B steps must happen in a short run: a wanted B step may wait (bounded) for its packs.
+    cfg["learner"]["pack_wait_s"] = 20.0
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_path, tiny_model_dir, synth_data_dir):
+    path, cfg = _config(tmp_path, tiny_model_dir, synth_data_dir)
+    run = Path(cfg["training"]["output_dir"])
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--config", str(path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"launcher did not finish within {DEADLINE_S} s; output tail:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"launcher exited {proc.returncode}:\n{out[-6000:]}"
+
+    # Every process exited 0 and none is left behind (torchrun workers included: the groups are empty).
+    record = json.loads((run / "processes.json").read_text())
+    assert {p["name"]: p["returncode"] for p in record["processes"]} == {
+        "rollout_server": 0, "learner": 0, "actor_r0_0": 0, "actor_r1_0": 0}
+    for p in record["processes"]:
+        assert not _alive(p["pid"]), f"{p['name']} (pid {p['pid']}) is still running"
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p["pid"], 0)
+
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = cfg["training"]["max_steps"]
+    assert [r["step"] for r in recs] == list(range(steps)), "one metrics record per optimizer step"
+    window = cfg["stage2_ab"]["channel_b"]["async"]["version_window"]
+    b_ratio = cfg["stage2_ab"]["schedule"]["b_ratio"]
+    K = "stage2_ab/async/"
+
+    # B steps happened, and every trained pack's ver was inside the window at its step.
+    b_recs = [r for r in recs if r[K + "step_kind_b"]]
+    assert b_recs, "no B step ran"
+    for r in b_recs:
+        for rank_vers in r[K + "trained_pack_vers"]:
+            assert rank_vers, "a B step trained no pack on some rank"
+            for v in rank_vers:
+                assert r[K + "ver_current"] - window <= v <= r[K + "ver_current"], (r["step"], v)
+
+    # The realised B steps are exactly the schedule's wanted steps minus the logged skips.
+    for r in recs:
+        assert r[K + "policy_wants_b"] == int(wants_b(r["step"], b_ratio))
+        assert r[K + "step_kind_b"] == (r[K + "policy_wants_b"] and not r[K + "b_step_skipped_due_to_queue"])
+        assert set(r[K + "kinds_by_rank"]) == {"B" if r[K + "step_kind_b"] else "A"}
+    wanted = sum(r[K + "policy_wants_b"] for r in recs)
+    skipped = sum(r[K + "b_step_skipped_due_to_queue"] for r in recs)
+    assert len(b_recs) == wanted - skipped
+
+    # ver advanced exactly once per committed sync, and only rank 0 talked to the server.
+    syncs = 0
+    for prev, cur in zip(recs, recs[1:]):
+        syncs_here = cur.get("sync/successes", 0) - prev.get("sync/successes", 0)
+        assert cur[K + "ver_current"] - prev[K + "ver_current"] == syncs_here, cur["step"]
+        syncs += syncs_here
+    assert syncs >= 1
+    assert all(calls == 0 for r in recs for calls in r["sync/client_calls_by_rank"][1:])
+
+    # Conservation on every rank at every step (learner side) and at the end (actor side).
+    for r in recs:
+        for rank in range(cfg["learner"]["nproc_per_node"]):
+            q = {k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith(f"queue/rank{rank}/")}
+            assert q["received"] == (q["trained"] + q["stale_dropped"] + q["oldest_dropped"] + q["duplicate_dropped"]
+                                     + q["reserved"] + q["in_queue"]), (r["step"], rank, q)
+    for actor_file in sorted(run.glob("actor_rank*_*.jsonl")):
+        if actor_file.name.endswith(".ledger.jsonl"):
+            continue
+        last = json.loads(actor_file.read_text().splitlines()[-1])
+        assert last["actor/conservation_ok"] == 1, actor_file.name
+
+    assert "tandem run summary" in out and (run / "run.png").exists()
