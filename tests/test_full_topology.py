@@ -117,3 +117,64 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
         assert last["actor/conservation_ok"] == 1, actor_file.name
 
     assert "tandem run summary" in out and (run / "run.png").exists()
+
+
+def _start_launcher(path: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher", "--config", str(path), "--grace-s", "15"], cwd=REPO,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(predicate, what: str, deadline_s: float, log: Path) -> None:
+    import time
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"waited {deadline_s:.0f} s for {what}; launcher output:\n{log.read_text()[-4000:]}")
+
+
+def _started_pids(log: Path) -> dict[str, int]:
+    import re
+
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", log.read_text())}
+
+
+def _assert_no_orphans(pids: dict[str, int]) -> None:
+    for name, pid in pids.items():
+        assert not _alive(pid), f"{name} (pid {pid}) survived the teardown"
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # its whole group (torchrun workers) is gone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("event", ["ctrl_c", "actor_crash"])
+def test_ctrl_c_or_a_crashed_process_tears_everything_down_without_orphans(event, tmp_path, tiny_model_dir,
+                                                                           synth_data_dir):
+    path, cfg = _config(tmp_path, tiny_model_dir, synth_data_dir)
+    cfg_over = yaml.safe_load(path.read_text())
+    cfg_over["training"]["max_steps"] = 10_000  # it must still be running when the event comes
+    path.write_text(yaml.safe_dump(cfg_over))
+    run, log = Path(cfg["training"]["output_dir"]), tmp_path / "launcher.log"
+    proc = _start_launcher(path, log)
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size > 0,
+                  "the first optimizer step", 240, log)
+        pids = _started_pids(log)
+        assert set(pids) == {"rollout_server", "learner", "actor_r0_0", "actor_r1_0"}
+        if event == "ctrl_c":
+            os.kill(proc.pid, signal.SIGINT)
+        else:
+            os.kill(pids["actor_r1_0"], signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc != 0, out[-3000:]
+    if event == "ctrl_c":
+        assert rc == 130 and "interrupted" in out
+    else:
+        assert "actor_r1_0 exited with -9" in out
+    _assert_no_orphans(pids)
