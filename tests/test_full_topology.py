@@ -118,6 +118,14 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
 
     assert "tandem run summary" in out and (run / "run.png").exists()
 
+    # Every key the run emitted is documented in docs/metrics.md (per-rank keys as rank{r}).
+    import re
+
+    doc = (REPO / "docs/metrics.md").read_text()
+    emitted = {re.sub(r"rank\d+", "rank{r}", k) for r in recs for k in r} - {"step"}
+    undocumented = sorted(k for k in emitted if f"`{k}`" not in doc)
+    assert not undocumented, f"add these keys to docs/metrics.md: {undocumented}"
+
 
 def _start_launcher(path: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "launcher", "--config", str(path), "--grace-s", "15"], cwd=REPO,
