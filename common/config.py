@@ -173,6 +173,10 @@ class SyncConfig:
     bucket_mb: int = doc("Bucket size for weight transfer.", 512)
     timeout_s: float = doc("Deadline for a whole sync (fence + wire + commit).", 300.0)
     fence: Literal["drain", "abort"] = doc("Server fence: drain in-flight /infer, or abort them (clients retry).", "drain")
+    master_addr: str = doc(
+        "nccl: address of learner rank 0 that the server workers reach for the weight-transfer rendezvous "
+        "(a free port is picked per group).", "127.0.0.1"
+    )
 
 
 @dataclass
@@ -245,6 +249,11 @@ class RolloutServerConfig:
     max_batch_items: int = doc("Largest /infer batch accepted (more is a 413 naming the limit).", 256)
     hf_max_batch: int = doc("hf engine: sequences per generate call.", 16)
     enable_prefix_caching: bool = doc("vLLM prefix caching (reset after every weight update).", True)
+    enforce_eager: bool = doc("vLLM: no torch.compile, no CUDA graphs (starts in seconds, decodes slower).", False)
+    load_format: Literal["auto", "dummy"] = doc(
+        "vLLM weight loading: auto = model_path's safetensors; dummy = random weights of its config "
+        "(benchmarks: the learner's first sync overwrites them).", "auto"
+    )
     sync_idle_timeout_s: float = doc("A sync session idle this long is aborted (old weights kept).", 120.0)
     log_level: str = doc("Server log level.", "info")
     device: str = doc("hf engine device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.", "auto")

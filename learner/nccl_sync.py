@@ -219,7 +219,7 @@ class NcclWeightSender:
                 on_phase("begun")
             sender = _Broadcaster(self._group, tensors, chunks, deadline, ready)
             sender.start()
-            session.update(header)  # returns once the server received every chunk
+            update = session.update(header)  # returns once the server received and loaded every chunk
             sender.join(deadline)
             t3 = time.monotonic()
             done = session.commit(fp)
@@ -237,7 +237,8 @@ class NcclWeightSender:
         nbytes = header.offsets[-1][1]
         report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
                             bytes=nbytes, n_buckets=len(chunks), fingerprint=done.fingerprint,
-                            ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted)
+                            ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted,
+                            server_update_s=update.elapsed_s)
         log.info("weights synced to %s over NCCL: ver %d, %d chunk(s), %.1f MB, fence %.3fs wire %.3fs (%.1f GB/s) "
                  "commit %.3fs, fingerprint %s", self.base_url, report.ver, len(chunks), nbytes / 1e6, report.fence_s,
                  report.wire_s, nbytes / max(report.wire_s, 1e-9) / 1e9, report.commit_s, report.fingerprint)

@@ -76,6 +76,8 @@ class WeightSync:
         self.bucket_bytes = int(vcfg.sync.bucket_mb) * 2**20
         self.timeout_s = float(vcfg.sync.timeout_s)
         self.fence = vcfg.sync.fence
+        self.transport = vcfg.sync.transport  # auto: nccl when this rank has CUDA and the server runs vLLM
+        self.master_addr = vcfg.sync.master_addr
         self.connect_timeout_s = float(vcfg.connect_timeout_s)
         self.every = int(cfg.stage2_ab.channel_b.async_.sync_every_steps)
         self.auth_token = cfg.rollout_server.auth_token
@@ -92,10 +94,18 @@ class WeightSync:
         if base_url not in self._clients:
             from rollout_server.sync_client import WeightSyncClient  # deferred: rank 0 only
 
-            self._clients[base_url] = WeightSyncClient(
-                base_url, auth_token=self.auth_token, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
-                client_id=f"learner-rank{self.dist.rank}@{socket.gethostname()}:{os.getpid()}",
-            )
+            kw = dict(auth_token=self.auth_token, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
+                      client_id=f"learner-rank{self.dist.rank}@{socket.gethostname()}:{os.getpid()}")
+            client = WeightSyncClient(base_url, **kw)
+            nccl = self.transport == "nccl" or (
+                self.transport == "auto" and torch.cuda.is_available() and client.health().engine == "vllm")
+            if nccl:
+                from learner.nccl_sync import NcclWeightSender  # GPU path: dedicated NCCL group, packed broadcasts
+
+                client.close()
+                client = NcclWeightSender(base_url, master_addr=self.master_addr, **kw)
+            log.info("weight sync to %s over %s", base_url, "nccl" if nccl else "http")
+            self._clients[base_url] = client
         return self._clients[base_url]
 
     def run(self, model: torch.nn.Module, step: int, ver: int) -> SyncResult:

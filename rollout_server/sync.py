@@ -195,6 +195,7 @@ class Session:
     nbytes: int = 0
     fence_done: float | None = None
     fence_s: float = 0.0
+    update_started: bool = False  # an NCCL /sync/update reached the engine
 
 
 class SyncController:
@@ -259,6 +260,12 @@ class SyncController:
         s = self.session
         with contextlib.suppress(Exception):
             await self.engine.discard()
+        if s is not None and s.update_started and getattr(self.engine, "updates_in_place", False):
+            # vLLM's native transfer loads weights as they arrive: nothing staged to drop, so the
+            # served weights may already be (partly) new while ver is old. Refuse to serve them.
+            self.error = (f"sync {s.id} ended after its NCCL update had started loading weights ({reason}); "
+                          "served weights no longer match ver: restart the rollout server")
+            log.error("%s", self.error)
         if not self.fence.is_open and self.error is None:
             with contextlib.suppress(Exception):
                 await self.engine.resume()
@@ -285,8 +292,17 @@ class SyncController:
                 raise ApiError(400, "bad_request", f"transport {req.transport!r} is not served by the "
                                f"{self.engine.name} engine (it takes {self.engine_transports()})", field="transport",
                                hint="set rollout_matching.vllm.sync.transport: http")
-            if req.transport == "nccl":  # pragma: no cover - vLLM engine only, needs GPUs
-                await self.engine.init_nccl(req)  # type: ignore[attr-defined]
+            if req.transport == "nccl":  # pragma: no cover - needs GPUs (tests/test_gpu_*.py)
+                # Blocks until learner rank 0 joins the group (it joins while this call is in flight).
+                try:
+                    await asyncio.wait_for(self.engine.init_nccl(req), timeout=req.timeout_s)  # type: ignore[attr-defined]
+                except TimeoutError:
+                    raise ApiError(504, "sync_timeout", f"learner rank 0 did not join the weight-transfer group at "
+                                   f"{req.master_addr}:{req.master_port} within {req.timeout_s:.0f}s",
+                                   hint="the learner joins while its /sync/init is in flight (learner/nccl_sync.py)") from None
+                except Exception as exc:  # noqa: BLE001 - reported to the learner, no session opened
+                    raise ApiError(500, "engine_error", f"joining the weight-transfer group at {req.master_addr}:"
+                                   f"{req.master_port} failed: {type(exc).__name__}: {exc}") from None
             self.session = Session(id=f"s-{secrets.token_hex(4)}", client=req.client, transport=req.transport,
                                    deadline=time.monotonic() + req.timeout_s)
             self.state = SyncState.OPEN
@@ -357,13 +373,32 @@ class SyncController:
                 raise ApiError(409, "sync_state", "this session was opened with transport http: send /sync/bucket",
                                field="transport")
             t0 = time.monotonic()
+            budget = max(1.0, s.deadline - t0)
+            s.update_started = True
             try:
-                nbytes = await self.engine.receive_nccl(header)  # type: ignore[attr-defined]
+                nbytes = await asyncio.wait_for(self.engine.receive_nccl(header), timeout=budget)  # type: ignore[attr-defined]
+            except TimeoutError:
+                # The engine may still sit in a collective that never completes (vLLM's PyNccl has no
+                # timeout): it cannot be trusted to serve or to take another update. Keep the fence
+                # closed, report error on /health and /infer, and say how to recover.
+                self.error = (f"NCCL weight receive did not finish within {budget:.0f}s (learner rank 0 gone?); "
+                              "restart the rollout server")
+                self.session, self.state = None, SyncState.IDLE
+                if self.metrics is not None:
+                    self.metrics.syncs.labels(outcome="timeout").inc()
+                log.error("sync %s: %s", s.id, self.error)
+                raise ApiError(504, "sync_timeout", self.error) from None
+            except WeightUpdateError as exc:
+                raise await self._fail(ApiError(400, "bad_request", f"NCCL update {header.index}: {exc}",
+                                                field=f"names.{exc.field}" if exc.field else "names"),
+                                       "update does not match the manifest") from None
             except Exception as exc:  # noqa: BLE001 - any failure ends the session, old weights kept
-                raise await self._fail(ApiError(500, "engine_error", f"NCCL bucket {header.index}: {exc}"),
-                                       "nccl update failed") from None
+                raise await self._fail(ApiError(500, "engine_error", f"NCCL update {header.index}: "
+                                                f"{type(exc).__name__}: {exc}"), "nccl update failed") from None
             s.next_index += 1
             s.nbytes += nbytes
+            if self.metrics is not None:
+                self.metrics.sync_bytes.inc(nbytes)
             return SyncBucketResponse(session=s.id, index=header.index, n_tensors=len(header.names), nbytes=nbytes,
                                       elapsed_s=time.monotonic() - t0)
 

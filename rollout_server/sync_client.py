@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from common.protocol import (
     BUCKET_HEADER,
+    HealthResponse,
     SyncAbortRequest,
     SyncAbortResponse,
     SyncBeginRequest,
@@ -72,6 +73,7 @@ class SyncReport:
     ver_before: int = 0
     drained: int = 0
     aborted: int = 0
+    server_update_s: float | None = None  # NCCL path: the server's own time for /sync/update (receive + load)
 
 
 class SyncSession:
@@ -98,6 +100,13 @@ class SyncSession:
                                           "Content-Type": "application/octet-stream"})
         self.n_buckets += 1
         self.bytes += len(blob)
+        return resp
+
+    def update(self, header: SyncBucketHeader) -> SyncBucketResponse:
+        """``/sync/update`` (NCCL path): announce tensors the learner broadcasts meanwhile; returns once received."""
+        resp = self.client._call("update", "/sync/update", header, SyncBucketResponse, self.deadline)
+        self.n_buckets += 1
+        self.bytes += resp.nbytes
         return resp
 
     def commit(self, fingerprint: str | None = None) -> SyncCommitResponse:
@@ -163,11 +172,24 @@ class WeightSyncClient:
 
     # ------------------------------------------------------------------ steps
 
-    def open(self, bucket_bytes: int = 512 << 20) -> SyncSession:
-        """``/sync/init``: a session, with the server's manifest (409 if another client holds one)."""
+    def health(self) -> HealthResponse:
+        """``GET /health`` (its body also on a 503: loading, syncing or error)."""
+        try:
+            r = self._http.get("/health", timeout=httpx.Timeout(self.timeout_s, connect=self._connect_timeout_s))
+            return HealthResponse.model_validate_json(r.content)
+        except (httpx.HTTPError, ValidationError) as exc:
+            raise SyncError("health", f"GET {self.base_url}/health failed ({exc}); is the rollout server running? "
+                            "Start it with `python -m rollout_server --config ...`") from None
+
+    def open(self, bucket_bytes: int = 512 << 20, *, nccl: dict[str, Any] | None = None) -> SyncSession:
+        """``/sync/init``: a session, with the server's manifest (409 if another client holds one).
+
+        ``nccl`` (``master_addr``, ``master_port``, ``world_size``, ``rank_offset``) opens an NCCL-transport
+        session instead (see ``learner/nccl_sync.py``); the server joins that group if it is new to it.
+        """
         deadline = time.monotonic() + self.timeout_s
-        req = SyncInitRequest(client=self.client_id, transport="http", bucket_bytes=bucket_bytes,
-                              timeout_s=self.timeout_s)
+        req = SyncInitRequest(client=self.client_id, transport="nccl" if nccl else "http", bucket_bytes=bucket_bytes,
+                              timeout_s=self.timeout_s, **(nccl or {}))
         return SyncSession(self, self._call("init", "/sync/init", req, SyncInitResponse, deadline), deadline)
 
     @staticmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -88,7 +89,8 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]], dtypes: dict[str, str
         flat = t.reshape(-1)
         n = flat.numel()
         if n > FINGERPRINT_SAMPLES:
-            idx = torch.linspace(0, n - 1, FINGERPRINT_SAMPLES, device=flat.device).round().long()
+            # Integer arithmetic: a float32 linspace rounds n - 1 past the end for n > 2**24.
+            idx = torch.arange(FINGERPRINT_SAMPLES, device=flat.device) * (n - 1) // (FINGERPRINT_SAMPLES - 1)
             flat = flat[idx]
         dtype = dtypes.get(name) if dtypes else None
         if dtype is not None and t.is_floating_point():
@@ -157,3 +159,105 @@ def iter_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+def packed_chunks(nbytes: Iterable[int], buffer_bytes: int) -> list[list[int]]:
+    """Indices of the tensors in each packed NCCL broadcast, for tensors of ``nbytes`` in order.
+
+    The rule is vLLM's (``weight_transfer/packed_tensor.py``, 0.26): add tensors to a chunk until its
+    size *exceeds* ``buffer_bytes``, then that chunk (including the tensor that crossed) is one
+    broadcast. Both ends of a sync must cut the stream identically, so the learner's sender and the
+    hf engine's receiver use this one function; vLLM's consumer uses its own copy of the rule.
+
+    Example: ``packed_chunks([4, 4, 4, 10, 1], 8) == [[0, 1, 2], [3], [4]]``.
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, n in enumerate(nbytes):
+        current.append(i)
+        size += int(n)
+        if size > buffer_bytes:
+            chunks.append(current)
+            current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def packed_offsets(specs: Iterable[tuple[str, list[int]]]) -> list[tuple[int, int]]:
+    """Byte ranges ``[begin, end)`` of tensors ``(dtype name, shape)`` laid end to end (the
+    ``SyncBucketHeader.offsets`` of a ``/sync/update`` announcing a whole packed stream)."""
+    out, pos = [], 0
+    for dtype, shape in specs:
+        n = SYNC_DTYPE_BYTES[dtype]
+        for d in shape:
+            n *= d
+        out.append((pos, pos + n))
+        pos += n
+    return out
+
+
+class TorchTransferGroup:
+    """A stand-alone weight-transfer group (NCCL on GPUs, gloo on CPU), never the default/DDP group.
+
+    Rank 0 (learner rank 0) hosts the rendezvous ``TCPStore`` on ``master_port``; ranks >= 1 (server
+    workers) connect to it. Host-side waits go through :func:`wait_work`, so a dead peer becomes a
+    TimeoutError after ``timeout_s`` instead of a hang (or a process teardown by NCCL's watchdog);
+    :meth:`abort` then frees the communicator.
+    Used by the learner's sender (``learner/nccl_sync.py``) and the hf engine's receiver; the vLLM
+    engine uses vLLM's own rendezvous (``StatelessProcessGroup`` + ``PyNcclCommunicator``) instead.
+    """
+
+    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, *, backend: str,
+                 timeout_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
+        self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                                   wait_for_workers=False)
+        prefixed = dist.PrefixStore("tandem-weight-sync", self.store)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            # NOTE: NCCL's own watchdog tears the whole process down when a collective times out
+            # (TORCH_NCCL_ASYNC_ERROR_HANDLING), which would kill the learner for a dead server. Our
+            # host waits carry the deadline instead (wait_work) and abort the group themselves.
+            opts._timeout = datetime.timedelta(days=1)
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.distributed.Work:
+        """Start a broadcast of ``tensor`` from ``src`` (in place on receivers); wait with :func:`wait_work`."""
+        return self.pg.broadcast([tensor], broadcast_opts(src))
+
+    def abort(self) -> None:
+        """Tear the communicator down (after a timeout it is unusable); best effort."""
+        fn = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
+        if fn is not None:
+            fn()
+
+
+def broadcast_opts(root: int = 0) -> torch.distributed.BroadcastOptions:
+    """``BroadcastOptions`` from ``root`` for a stand-alone group's ``broadcast([t], opts)``."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    return opts
+
+
+def wait_work(work: torch.distributed.Work, timeout_s: float, what: str) -> None:
+    """Wait for a collective on the host, with a deadline: a raw NCCL wait never times out, so poll.
+
+    Raises TimeoutError naming ``what`` once ``timeout_s`` pass, or the collective's own error.
+    """
+    end = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {timeout_s:.0f}s for {what}; the peer is gone or stuck")
+        time.sleep(0.0005)
+    work.wait()  # raises the collective's own error; on NCCL it also orders the current stream after it

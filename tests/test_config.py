@@ -169,3 +169,9 @@ def test_deadlines_must_be_positive_and_durations_non_negative():
 def test_list_element_override_is_a_config_error_not_a_crash():
     probs = problems_of(BASE + ["rollout_matching.vllm.servers.0.base_url=http://x:1"])
     assert any(p.startswith("rollout_matching.vllm.servers") and "list" in p for p in probs)
+
+
+def test_docs_config_reference_is_generated_from_the_current_schema():
+    committed = (REPO / "docs/config.md").read_text()
+    assert committed.strip() == markdown_reference().strip(), (
+        "docs/config.md is stale: run `make docs` (python -m common.config --markdown > docs/config.md)")

@@ -9,6 +9,10 @@ Two layers:
 * :class:`HFEngine` — the :class:`~rollout_server.engines.base.Engine` the server runs: generation on
   one worker thread (the event loop stays free for /health, /metrics and the fence), cancellation
   by a flag checked after every token, and a staged weight update swapped in under the fence.
+  On CUDA it also receives weights over NCCL with the same packed protocol as vLLM's native
+  weight transfer (``/sync/init`` joins a stand-alone group with learner rank 0, one
+  ``/sync/update`` announces every tensor, the learner broadcasts packed chunks), so the NCCL sync
+  path is testable on a GPU box without vLLM.
 
 Images are server-side file paths, ``data:image/...;base64,`` URIs, or (in-process) PIL images.
 Token-id prompts with images may carry one ``<|image_pad|>`` per image (the chat template's form,
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -282,6 +287,12 @@ class HFEngine(Engine):
         self._alias: dict[str, str] = {}  # tied non-first name -> manifest name
         self._params: dict[str, torch.nn.Parameter] = {}
         self._staged: dict[str, torch.Tensor] = {}
+        # NCCL receive (CUDA only): one thread for the blocking collectives, the group and its key.
+        self._nccl_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-nccl")
+        self._group: Any = None
+        self._group_key: tuple | None = None
+        self._group_timeout_s = 600.0
+        self._bucket_bytes = 512 << 20
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -330,6 +341,8 @@ class HFEngine(Engine):
 
     async def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._drop_group()
+        self._nccl_pool.shutdown(wait=False, cancel_futures=True)
         self.gen = None
 
     # ---------------------------------------------------------------- serving
@@ -413,6 +426,76 @@ class HFEngine(Engine):
 
     async def discard(self) -> None:
         self._staged = {}
+
+    # ---------------------------------------------------------------- NCCL receive (CUDA only)
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """``nccl`` only when the model is on a GPU (NCCL needs device buffers); ``http`` always."""
+        on_gpu = self.gen is not None and self.gen.device.type == "cuda"
+        return ("http", "nccl") if on_gpu else ("http",)
+
+    async def init_nccl(self, req: Any) -> None:
+        """Join learner rank 0's weight-transfer group (kept across syncs while the rendezvous is the same)."""
+        key = (req.master_addr, req.master_port, req.world_size, req.rank_offset)
+        self._bucket_bytes = req.bucket_bytes
+        if self._group is not None and self._group_key == key:
+            return
+        self._drop_group()
+        loop = asyncio.get_running_loop()
+        self._group = await loop.run_in_executor(self._nccl_pool, self._join_group, req)
+        self._group_key, self._group_timeout_s = key, req.timeout_s
+        log.info("joined the weight-transfer group at %s:%d as rank %d of %d", req.master_addr, req.master_port,
+                 req.rank_offset, req.world_size)
+
+    def _join_group(self, req: Any) -> Any:
+        assert self.gen is not None, "engine not started"
+        group = W.TorchTransferGroup(req.master_addr, req.master_port, req.rank_offset, req.world_size,
+                                     backend="nccl", timeout_s=req.timeout_s)
+        warm = torch.zeros(1, device=self.gen.device)  # creates the communicator now, not in the first sync
+        W.wait_work(group.broadcast(warm), req.timeout_s, "the group's first broadcast from learner rank 0")
+        return group
+
+    def _drop_group(self) -> None:
+        pg, self._group, self._group_key = self._group, None, None
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                pg.abort()
+
+    async def receive_nccl(self, header: Any) -> int:
+        """Receive every tensor ``header`` announces, as packed broadcasts from rank 0, into the staging dict."""
+        if self._group is None:
+            raise WeightUpdateError("no weight-transfer group: send /sync/init with transport nccl first")
+        for name, dtype, shape in zip(header.names, header.dtypes, header.shapes):
+            canonical = self._alias.get(name, name)
+            spec = self._manifest.get(canonical)
+            if spec is None or list(shape) != spec.shape or dtype != spec.dtype or canonical in self._staged:
+                raise WeightUpdateError(f"{name!r} {dtype} {list(shape)} does not match the served model "
+                                        f"({'a repeat' if canonical in self._staged else spec})", name)
+        loop = asyncio.get_running_loop()
+        try:
+            received = await loop.run_in_executor(self._nccl_pool, self._receive, header)
+        except Exception:
+            self._drop_group()  # a failed or timed-out collective leaves the communicator unusable
+            raise
+        for name, t in received.items():
+            self._staged[self._alias.get(name, name)] = t
+        return sum(end - begin for begin, end in header.offsets)
+
+    def _receive(self, header: Any) -> dict[str, torch.Tensor]:
+        assert self.gen is not None
+        sizes = [end - begin for begin, end in header.offsets]
+        out: dict[str, torch.Tensor] = {}
+        for idx in W.packed_chunks(sizes, self._bucket_bytes):
+            buf = torch.empty(sum(sizes[i] for i in idx), dtype=torch.uint8, device=self.gen.device)
+            W.wait_work(self._group.broadcast(buf), self._group_timeout_s,
+                        f"a packed weight chunk of {buf.numel()} bytes from learner rank 0")
+            pos = 0
+            for i in idx:
+                view = buf[pos:pos + sizes[i]].view(W.torch_dtype(header.dtypes[i])).view(header.shapes[i])
+                out[header.names[i]] = view
+                pos += sizes[i]
+        return out
 
     def fingerprint(self) -> str:
         return W.fingerprint((n, self._params[n]) for n in self._manifest)

@@ -1,47 +1,55 @@
 """The ``vllm`` engine: ``AsyncLLM`` (vLLM 0.20-0.26 API) behind the Engine interface.
 
-STATUS: a sketch written against the vLLM 0.26.0 sources as summarised in
-``/work/shared/reference/vllm.md`` (sections 1, 3.2, 6, 7). Nothing below the import guard has run
-yet; its GPU validation is a separate issue. Parts marked ``UNTESTED`` are the ones most likely to
-need changes there. Importing this module never imports vLLM: it is imported in :meth:`start`, so
-``import rollout_server.engines.vllm`` works anywhere and selecting the engine without vLLM fails
-with :class:`EngineUnavailable` naming the fix.
+Run on H200s with vLLM 0.26.0 (docs/gpu.md, docs/benchmarks.md). Importing this module never
+imports vLLM: vLLM is imported in :meth:`VLLMEngine.start`, so ``import rollout_server.engines.vllm``
+works anywhere and selecting the engine without vLLM fails with :class:`EngineUnavailable` naming
+the fix.
 
 Mapping onto vLLM:
 
-* ``generate``: one ``AsyncLLM.generate`` per item (vLLM batches them continuously), with
-  ``output_kind=FINAL_ONLY``; cancelling our task makes AsyncLLM abort the request. Chat prompts
-  are rendered with the checkpoint's chat template and sent as text plus PIL images, so vLLM
-  expands the image placeholders itself (token-id prompts must carry one pad per image).
-* Sampling: vLLM defaults differ from ours (``max_tokens`` 16, ``top_k`` 0/-1), so every field is
-  passed explicitly; ``top_k <= 0`` becomes -1 (off in every supported release).
-* Fence hooks: ``pause()`` -> ``pause_generation`` (our own gate has already drained or aborted
-  every request), ``resume()`` -> ``resume_generation``.
-* Weights, NCCL (the GPU path): ``/sync/init`` -> ``init_weight_transfer_engine`` (blocks until
-  the learner joins: the learner issues it from a thread), first ``/sync/update`` ->
-  ``start_weight_update``, each ``/sync/update`` -> ``update_weights(names, dtype_names, shapes,
-  packed=True)`` while the learner broadcasts, ``/sync/commit`` -> ``finish_weight_update`` ->
-  ``reset_prefix_cache`` (its bool checked) + mm/encoder cache resets.
-* Weights, HTTP (no NCCL): buckets staged in CPU memory, written as one safetensors directory at
-  commit and loaded with ``collective_rpc("reload_weights", ...)``. UNTESTED.
-* ``fingerprint``: vLLM keeps weights in worker processes; the engine reports the fingerprint the
-  learner sent with the last commit (or of the checkpoint's sampled tensors at start).
+* ``start``: ``AsyncLLM.from_engine_args`` inside the app lifespan (AsyncLLM starts its output
+  handler only under a running loop), workers spawned (CUDA cannot re-initialise in a fork),
+  ``logprobs_mode=processed_logprobs``, native weight transfer configured (``backend=nccl``).
+* ``generate``: one ``AsyncLLM.generate`` per item (vLLM batches them continuously) with
+  ``output_kind=FINAL_ONLY``; cancelling our task makes AsyncLLM abort the request. Chat prompts are
+  rendered with the checkpoint's chat template and sent as text plus PIL images, so vLLM expands the
+  image placeholders itself; token-id prompts carry one ``<|image_pad|>`` per image (the template's
+  form). A prompt vLLM refuses (too long, id outside the vocabulary) is an EngineInputError (400).
+* Sampling: every field passed explicitly, because vLLM's defaults differ from ours (``max_tokens``
+  16): ``top_k <= 0`` becomes -1 (off in every supported release), stops are the chat template's
+  turn end and eos (kept as the last token, as the hf engine does) plus the request's strings.
+* Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
+  cancelled every request when ``pause()`` runs ``pause_generation(mode="abort", clear_cache=True)``
+  (never ``keep``: requests would straddle versions); ``resume()`` runs ``resume_generation``.
+* Weights over NCCL, vLLM's native API: ``/sync/init`` -> ``init_weight_transfer_engine`` (blocks
+  until learner rank 0 joins; kept across syncs while the rendezvous is the same), the one
+  ``/sync/update`` -> ``start_weight_update`` + ``update_weights(names, dtype_names, shapes,
+  packed=True, packed_buffer_size_bytes=bucket_bytes)`` while the learner broadcasts,
+  ``/sync/commit`` -> ``finish_weight_update``, then ``reset_prefix_cache`` (its bool checked: a
+  False puts the server in error rather than serve stale caches), ``reset_mm_cache`` and
+  ``reset_encoder_cache``.
+* Weights over HTTP (no NCCL): buckets staged in CPU memory, written as one safetensors directory at
+  commit and loaded with ``collective_rpc("reload_weights")``. UNTESTED on GPU (the NCCL path is the
+  one the GPU configs use).
+* ``fingerprint``: vLLM keeps fused weights in worker processes; the engine reports the fingerprint
+  the learner sent with the last commit. That the weights really arrived is shown by greedy outputs
+  matching the learner's own (tests/test_gpu_vllm.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-import inspect
 import logging
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from common.protocol import InferItem, InferOutput, SamplingParams, SyncBucketHeader, SyncInitRequest, TensorSpec
-from rollout_server.engines.base import Engine, EngineUnavailable, WeightUpdateError
+from rollout_server.engines.base import Engine, EngineInputError, EngineUnavailable, WeightUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +57,14 @@ INSTALL_FIX = ("rollout_server.engine=vllm but vLLM is not installed in this env
                "'tandem[vllm]' (vllm>=0.20,<0.27, needs torch 2.11 + CUDA 13) on a GPU machine, or set "
                "rollout_server.engine=hf")
 
+#: Images per prompt vLLM reserves encoder budget for.
+MAX_IMAGES_PER_PROMPT = 8
+#: Chunks in flight on each side of a packed NCCL transfer (must equal the learner's NUM_BUFFERS).
+PACKED_NUM_BUFFERS = 2
+
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
-
-
-def _call_with_supported(fn: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with the subset of ``kwargs`` its signature takes (APIs moved between releases)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(**kwargs)
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
 class VLLMEngine(Engine):
@@ -67,6 +72,9 @@ class VLLMEngine(Engine):
 
     name = "vllm"
     transports = ("nccl", "http")
+    #: NCCL updates load into the served model as chunks arrive (vLLM layerwise reload): a sync that
+    #: fails after its update started cannot keep the old weights (rollout_server.sync marks an error).
+    updates_in_place = True
 
     def __init__(self, model_path: str, srv: Any) -> None:
         if not vllm_available():
@@ -75,36 +83,40 @@ class VLLMEngine(Engine):
         self.srv = srv
         self.llm: Any = None
         self.tokenizer: Any = None
-        self._manifest: list[TensorSpec] = []
+        self._manifest: dict[str, TensorSpec] = {}
         self._tied: list[list[str]] = []
+        self._alias: dict[str, str] = {}
         self._dtype = "bfloat16" if srv.dtype == "auto" else srv.dtype
         self._staged: dict[str, Any] = {}
+        self._received: set[str] = set()
         self._nccl_updating = False
+        self._group_key: tuple | None = None
+        self._bucket_bytes = 512 << 20
         self._fingerprint = "unknown"
         self._stop_ids: list[int] = []
+        self._vocab = 0
+        self._dp = max(1, len(srv.gpus or []) // max(1, srv.tensor_parallel_size))
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA cannot re-init in a fork
         from vllm import AsyncEngineArgs
+        from vllm.config import WeightTransferConfig  # vLLM >= 0.16
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        try:
-            from vllm.config import WeightTransferConfig  # vLLM >= 0.16
-
-            transfer: Any = WeightTransferConfig(backend="nccl")
-        except ImportError:  # pragma: no cover - older than supported
-            transfer = None
+        srv = self.srv
         args: dict[str, Any] = dict(
-            model=self.model_path, dtype=self._dtype, tensor_parallel_size=self.srv.tensor_parallel_size,
-            gpu_memory_utilization=self.srv.gpu_memory_utilization, enable_prefix_caching=self.srv.enable_prefix_caching,
-            logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": 8}, seed=0,
+            model=self.model_path, dtype=self._dtype, tensor_parallel_size=srv.tensor_parallel_size,
+            gpu_memory_utilization=srv.gpu_memory_utilization, enable_prefix_caching=srv.enable_prefix_caching,
+            logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": MAX_IMAGES_PER_PROMPT}, seed=0,
+            enforce_eager=srv.enforce_eager, load_format=srv.load_format,
+            weight_transfer_config=WeightTransferConfig(backend="nccl"),
         )
-        if self.srv.max_model_len:
-            args["max_model_len"] = self.srv.max_model_len
-        if transfer is not None:
-            args["weight_transfer_config"] = transfer
+        if srv.max_model_len:
+            args["max_model_len"] = srv.max_model_len
+        if self._dp > 1:  # every GPU of rollout_server.gpus is used: len(gpus) / TP replicas in one engine
+            args["data_parallel_size"] = self._dp
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         from transformers import AutoTokenizer
 
@@ -113,9 +125,11 @@ class VLLMEngine(Engine):
         if "<|im_end|>" in self.tokenizer.get_vocab():
             stop.add(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
         self._stop_ids = sorted(i for i in stop if i is not None)
-        self._manifest, self._tied = await asyncio.to_thread(self._meta_manifest)
-        log.info("vllm engine ready: %s, tp %d, %d tensors", self.model_path, self.srv.tensor_parallel_size,
-                 len(self._manifest))
+        spec, self._tied = await asyncio.to_thread(self._meta_manifest)
+        self._manifest = {s.name: s for s in spec}
+        self._alias = {n: g[0] for g in self._tied for n in g[1:]}
+        log.info("vllm engine ready: %s, tp %d, %s, %d tensors, load_format %s", self.model_path,
+                 srv.tensor_parallel_size, self._dtype, len(self._manifest), srv.load_format)
 
     def _meta_manifest(self) -> tuple[list[TensorSpec], list[list[str]]]:
         """HF names, shapes and tied groups from the architecture on the meta device (no memory)."""
@@ -127,6 +141,7 @@ class VLLMEngine(Engine):
         config = AutoConfig.from_pretrained(self.model_path)
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, self._dtype))
+        self._vocab = model.get_input_embeddings().num_embeddings
         return W.manifest_of(model)
 
     async def stop(self) -> None:
@@ -141,15 +156,19 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         return VSP(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-                   max_tokens=s.max_tokens, seed=s.seed, stop=list(s.stop), stop_token_ids=self._stop_ids,
-                   repetition_penalty=s.repetition_penalty, skip_special_tokens=False,
-                   output_kind=RequestOutputKind.FINAL_ONLY)
+                   min_p=0.0, max_tokens=s.max_tokens, min_tokens=0, seed=s.seed, stop=list(s.stop),
+                   stop_token_ids=self._stop_ids, ignore_eos=False, repetition_penalty=s.repetition_penalty,
+                   presence_penalty=0.0, frequency_penalty=0.0, skip_special_tokens=False,
+                   spaces_between_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _prompt(self, item: InferItem, row: int) -> dict[str, Any]:
         from rollout_server.engines.hf_inputs import load_image
 
         images = list(item.images or [])
         if item.prompt_token_ids is not None:
+            bad = [t for t in item.prompt_token_ids if not 0 <= t < self._vocab]
+            if bad:
+                raise EngineInputError(f"token id {bad[0]} is outside the vocabulary", f"items.{row}.prompt_token_ids")
             prompt: dict[str, Any] = {"prompt_token_ids": list(item.prompt_token_ids)}
             refs = images
         else:
@@ -161,20 +180,27 @@ class VLLMEngine(Engine):
                 parts = []
                 for p in m.content:
                     if p.type == "image":
+                        if p.image is None and not queue:
+                            raise EngineInputError("more image parts than images", f"items.{row}.images")
                         refs.append(p.image if p.image is not None else queue.pop(0))
                         parts.append({"type": "image"})
                     else:
                         parts.append({"type": "text", "text": p.text})
                 msgs.append({"role": m.role, "content": parts})
+            if queue:
+                raise EngineInputError(f"{len(queue)} image(s) left without an image part", f"items.{row}.images")
             prompt = {"prompt": self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)}
         if refs:
             prompt["multi_modal_data"] = {"image": [load_image(r, f"items.{row}.images.{j}") for j, r in enumerate(refs)]}
         return prompt
 
-    async def _one(self, prompt: dict[str, Any], sp: Any, item_id: str | None) -> InferOutput:
+    async def _one(self, prompt: dict[str, Any], sp: Any, item_id: str | None, row: int) -> InferOutput:
         final = None
-        async for out in self.llm.generate(prompt, sp, f"tandem-{uuid.uuid4().hex}"):
-            final = out
+        try:
+            async for out in self.llm.generate(prompt, sp, f"tandem-{uuid.uuid4().hex}"):
+                final = out
+        except ValueError as exc:  # vLLM's input checks: prompt too long, bad ids, image count
+            raise EngineInputError(f"vLLM refused item {row}: {exc}", f"items.{row}") from None
         if final is None:  # pragma: no cover - vLLM always yields once with FINAL_ONLY
             raise RuntimeError("vLLM returned no output")
         c = final.outputs[0]
@@ -185,7 +211,7 @@ class VLLMEngine(Engine):
     async def generate(self, items: Sequence[InferItem], sampling: SamplingParams) -> list[InferOutput]:
         sp = self._sampling(sampling)
         prompts = [self._prompt(it, i) for i, it in enumerate(items)]
-        tasks = [asyncio.ensure_future(self._one(p, sp, it.id)) for p, it in zip(prompts, items)]
+        tasks = [asyncio.ensure_future(self._one(p, sp, it.id, i)) for i, (p, it) in enumerate(zip(prompts, items))]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -200,7 +226,7 @@ class VLLMEngine(Engine):
     # ---------------------------------------------------------------- weights
 
     def manifest(self) -> list[TensorSpec]:
-        return list(self._manifest)
+        return list(self._manifest.values())
 
     def tied_groups(self) -> list[list[str]]:
         return [list(g) for g in self._tied]
@@ -209,51 +235,85 @@ class VLLMEngine(Engine):
         return self._dtype
 
     def world_size(self) -> int:
-        return int(self.srv.tensor_parallel_size)
+        """Workers that join the weight-transfer group: TP x DP (vLLM ranks them dp * tp + rank + offset)."""
+        return int(self.srv.tensor_parallel_size) * self._dp
 
     async def pause(self) -> None:
-        # Our gate already drained or cancelled every request; this also stops vLLM's scheduler and
-        # clears its caches once idle. Never mode="keep": requests would straddle versions.
-        await _call_with_supported(self.llm.pause_generation, mode="abort", clear_cache=True)
+        await self.llm.pause_generation(mode="abort", clear_cache=True)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
 
-    async def init_nccl(self, req: SyncInitRequest) -> None:  # UNTESTED
+    def _check(self, name: str, dtype: str, shape: list[int]) -> str:
+        canonical = self._alias.get(name, name)
+        spec = self._manifest.get(canonical)
+        if spec is None:
+            raise WeightUpdateError(f"{name!r} is not a parameter of the served model (send HF module names, "
+                                    f"e.g. {next(iter(self._manifest))!r})", name)
+        if list(shape) != spec.shape or dtype != spec.dtype:
+            raise WeightUpdateError(f"{name!r} is {dtype} {list(shape)}, the server serves {spec.dtype} {spec.shape}",
+                                    name)
+        if canonical in self._received or canonical in self._staged:
+            raise WeightUpdateError(f"{name!r} sent twice in this session", name)
+        return canonical
+
+    async def init_nccl(self, req: SyncInitRequest) -> None:
+        """``init_weight_transfer_engine``: every worker joins learner rank 0's group (once per rendezvous)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        self._bucket_bytes = req.bucket_bytes
+        key = (req.master_addr, req.master_port, req.world_size, req.rank_offset)
+        if key == self._group_key:
+            return
+        self._group_key = None
         info = {"master_address": req.master_addr, "master_port": req.master_port,
                 "rank_offset": req.rank_offset, "world_size": req.world_size}
         await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        self._group_key = key
 
-    async def receive_nccl(self, header: SyncBucketHeader) -> int:  # UNTESTED
-        """One packed NCCL bucket: announce names/dtypes/shapes; the learner broadcasts meanwhile."""
+    async def receive_nccl(self, header: SyncBucketHeader) -> int:
+        """All announced tensors, as packed broadcasts; vLLM loads them layer by layer as they arrive."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        names = [self._check(n, d, s) for n, d, s in zip(header.names, header.dtypes, header.shapes)]
+        t0 = time.monotonic()
         if not self._nccl_updating:
-            await _call_with_supported(self.llm.start_weight_update, is_checkpoint_format=True)
+            await self.llm.start_weight_update()
             self._nccl_updating = True
-        info = {"names": header.names, "dtype_names": header.dtypes, "shapes": header.shapes, "packed": True}
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-        return sum(end - begin for begin, end in header.offsets)
+        t1 = time.monotonic()
+        info = {"names": list(header.names), "dtype_names": list(header.dtypes), "shapes": header.shapes,
+                "packed": True, "packed_buffer_size_bytes": self._bucket_bytes,
+                "packed_num_buffers": PACKED_NUM_BUFFERS}
+        try:
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        except BaseException:
+            self._nccl_updating = False  # the worker closed its session on the failure
+            raise
+        self._received.update(names)
+        nbytes = sum(end - begin for begin, end in header.offsets)
+        t2 = time.monotonic()
+        log.info("nccl update: %d tensors, %.2f GB: start_weight_update %.3fs, update_weights %.3fs (%.1f GB/s)",
+                 len(names), nbytes / 1e9, t1 - t0, t2 - t1, nbytes / max(t2 - t1, 1e-9) / 1e9)
+        return nbytes
 
     async def stage_bucket(self, tensors: dict[str, Any]) -> int:
-        specs = {s.name: s for s in self._manifest}
-        alias = {n: g[0] for g in self._tied for n in g[1:]}
         for name, t in tensors.items():
-            spec = specs.get(alias.get(name, name))
-            if spec is None or list(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
-                raise WeightUpdateError(f"{name!r} {list(t.shape)} {t.dtype} does not match the served model "
-                                        f"({spec.shape if spec else 'no such parameter'})", name)
-        self._staged.update({alias.get(n, n): t for n, t in tensors.items()})
+            self._check(name, str(t.dtype).removeprefix("torch."), list(t.shape))
+        self._staged.update({self._alias.get(n, n): t for n, t in tensors.items()})
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     async def commit(self, expected_fingerprint: str | None = None) -> bool:
-        if self._nccl_updating:  # UNTESTED
+        sent = self._received or set(self._staged)
+        missing = [n for n in self._manifest if n not in sent]
+        if self._nccl_updating:
+            # Every announced tensor is already loaded; a partial update still has to be closed.
             await self.llm.finish_weight_update()
             self._nccl_updating = False
+            self._received = set()
+            if missing:
+                raise WeightUpdateError(f"{len(missing)} of {len(self._manifest)} parameters were not sent (first: "
+                                        f"{missing[0]!r}); the served weights are now partly new")
         elif self._staged:  # UNTESTED: HTTP path through a safetensors directory
-            missing = [s.name for s in self._manifest if s.name not in self._staged]
             if missing:
                 raise WeightUpdateError(f"{len(missing)} parameters were not sent (first: {missing[0]!r})")
             from safetensors.torch import save_file
@@ -264,22 +324,19 @@ class VLLMEngine(Engine):
             self._staged = {}
         else:
             raise WeightUpdateError("nothing was sent in this session")
-        ok = False
-        for _ in range(5):  # False while requests hold KV blocks; after our drain it must be True
-            ok = bool(await self.llm.reset_prefix_cache())
-            if ok:
-                break
-            await asyncio.sleep(0.2)
-        for reset in ("reset_mm_cache", "reset_encoder_cache"):
-            fn = getattr(self.llm, reset, None)
-            if fn is not None:
-                await fn()
+        # False while requests hold KV blocks; after our drain and pause it must be True.
+        ok = bool(await self.llm.reset_prefix_cache())
+        await self.llm.reset_mm_cache()
+        await self.llm.reset_encoder_cache()
         if expected_fingerprint is not None:
             self._fingerprint = expected_fingerprint
+        if not ok:
+            log.error("reset_prefix_cache returned False after a weight update: cached prefixes may be stale")
         return ok
 
     async def discard(self) -> None:
         self._staged = {}
+        self._received = set()
         if self._nccl_updating:  # start_weight_update refuses while a session is active: close it
             try:
                 await self.llm.finish_weight_update()
@@ -291,7 +348,8 @@ class VLLMEngine(Engine):
         return self._fingerprint
 
     def health_info(self) -> dict[str, Any]:
-        return {"tensor_parallel_size": self.srv.tensor_parallel_size, "dtype": self._dtype}
+        return {"tensor_parallel_size": self.srv.tensor_parallel_size, "data_parallel_size": self._dp,
+                "dtype": self._dtype}
 
 
 __all__ = ["VLLMEngine", "vllm_available", "INSTALL_FIX"]

@@ -1,0 +1,174 @@
+"""The NCCL weight-sync path without vLLM: learner sender -> hf engine receiver.
+
+* CPU (always runs): the packed protocol between ``learner/nccl_sync.py``'s broadcaster and the hf
+  engine's receiver, over a stand-alone gloo group in two spawned processes (chunk boundaries,
+  dtype casts, names, offsets).
+* GPU (``-m gpu``, 2 GPUs): a real hf rollout server on GPU 0 receives from this process on GPU 1
+  over NCCL; the served fingerprint and the greedy outputs equal the learner's; a server frozen
+  mid-sync becomes a SyncError within the deadline, not a hang.
+
+Run the GPU part on a GPU machine: ``make test-gpu`` (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rollout_server import weights as W
+from tests.ports import free_port_block
+from tests.server_proc import REPO, ServerProcess, server_command, wait_healthy
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (server on GPU 0, learner on GPU 1): "
+                                    "run `make test-gpu` on a GPU machine")
+
+SHAPES = [[3, 5], [7], [40, 3], [2], [9, 9]]
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _sender(port: int, out: str) -> None:
+    from learner.nccl_sync import _Broadcaster, _TorchGroup
+
+    group = _TorchGroup("127.0.0.1", port, 2, 20.0, "gloo", torch.device("cpu"))
+    ts = _tensors()
+    chunks = W.packed_chunks([t.numel() * 2 for t in ts], 128)
+    b = _Broadcaster(group, [(t, torch.bfloat16) for t in ts], chunks, time.monotonic() + 20, None)
+    b.start()
+    b.join(time.monotonic() + 20)
+    Path(out).write_text(json.dumps({"chunks": chunks}))
+
+
+def _receiver(port: int, out: str) -> None:
+    import types
+
+    from common.protocol import SyncBucketHeader
+    from rollout_server.engines.hf import HFEngine
+
+    engine = HFEngine("unused")
+    engine.gen = types.SimpleNamespace(device=torch.device("cpu"))
+    engine._group = W.TorchTransferGroup("127.0.0.1", port, 1, 2, backend="gloo", timeout_s=20.0)
+    W.wait_work(engine._group.broadcast(torch.zeros(1)), 20.0, "warm-up")
+    engine._bucket_bytes, engine._group_timeout_s = 128, 20.0
+    specs = [("bfloat16", s) for s in SHAPES]
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    header = SyncBucketHeader(session="s", index=0, names=names, dtypes=["bfloat16"] * len(SHAPES), shapes=SHAPES,
+                              offsets=W.packed_offsets(specs))
+    got = engine._receive(header)
+    ok = [torch.equal(got[n], t.to(torch.bfloat16)) for n, t in zip(names, _tensors())]
+    Path(out).write_text(json.dumps({"ok": ok}))
+
+
+def test_packed_broadcast_protocol_round_trips_over_a_gloo_group_on_cpu(tmp_path):
+    port = free_port_block(1)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_sender, args=(port, str(tmp_path / "s.json"))),
+             ctx.Process(target=_receiver, args=(port, str(tmp_path / "r.json")))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    alive = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} still running after 60s: the two ends disagree on the chunking"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] == [True] * len(SHAPES)
+    assert len(json.loads((tmp_path / "s.json").read_text())["chunks"]) > 1, "the test must cross chunk boundaries"
+
+
+# ------------------------------------------------------------------------------------ GPU: hf engine
+
+
+@contextlib.contextmanager
+def hf_server_on_gpu0(model_dir: Path):
+    port = free_port_block(1)
+    log = tempfile.NamedTemporaryFile(prefix=f"hf-gpu-server-{port}-", suffix=".log", delete=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": "0", "TRANSFORMERS_VERBOSITY": "error"}
+    cmd = server_command(model_dir, port, ["rollout_server.device=cuda", "rollout_server.dtype=float32",
+                                              "rollout_server.sync_idle_timeout_s=30"])
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    srv = ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", port=port, log_path=Path(log.name))
+    try:
+        wait_healthy(srv, 120)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        srv.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def learner_model(tiny_model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    from rollout_server.engines.hf import HFGenerator, load_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda:1")
+    return model, HFGenerator(model, load_processor(str(tiny_model_dir)), device="cuda:1", max_batch=4)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_nccl_push_to_the_hf_engine_lands_every_weight_under_its_name(tiny_model_dir, learner_model):
+    from common.protocol import InferItem, InferResponse, SamplingParams
+    from learner.nccl_sync import NcclWeightSender
+    from tests.test_fence import version_weights
+
+    model, gen = learner_model
+    base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    item = InferItem(prompt_token_ids=[5, 6, 7, 8, 9])
+    sampling = SamplingParams(temperature=0, max_tokens=6)
+    with hf_server_on_gpu0(tiny_model_dir) as srv:
+        sender = NcclWeightSender(srv.url, timeout_s=60)
+        for k in (1, 2):
+            model.load_state_dict(version_weights(base, k), strict=False)
+            report = sender.push(model.named_parameters(), bucket_bytes=64 << 10)
+            assert report.ver == k and report.n_buckets > 1
+            assert report.fingerprint == W.fingerprint(list(model.named_parameters()))  # computed by the server
+            r = httpx.post(srv.url + "/infer", json={"items": [item.model_dump(exclude_none=True)],
+                                                     "sampling": sampling.model_dump()}, timeout=60)
+            served = InferResponse.model_validate_json(r.content)
+            mine = gen.generate([item.prompt_token_ids], [None], sampling)[0]
+            assert served.ver == k and served.outputs[0].token_ids == mine.token_ids
+        assert sender.groups_created == 1, "the group must be reused across syncs"
+        sender.close()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_a_server_frozen_mid_sync_is_a_sync_error_within_the_deadline_not_a_hang(tiny_model_dir, learner_model):
+    from learner.nccl_sync import NcclWeightSender
+    from rollout_server.sync_client import SyncError
+
+    model, _ = learner_model
+    with hf_server_on_gpu0(tiny_model_dir) as srv:
+        sender = NcclWeightSender(srv.url, timeout_s=15)
+        sender.push(model.named_parameters(), bucket_bytes=64 << 10)  # builds the group
+        t0 = time.monotonic()
+        with pytest.raises(SyncError) as err:
+            sender.push(model.named_parameters(), bucket_bytes=64 << 10,
+                        on_phase=lambda phase: os.kill(srv.proc.pid, signal.SIGSTOP))
+        elapsed = time.monotonic() - t0
+        assert elapsed < 15 + 20, f"the push took {elapsed:.0f}s to give up (deadline 15s + abort 10s)"
+        assert err.value.phase in ("update", "wire"), err.value
+        assert sender._group is None, "a group that saw a dead peer must be dropped"
+        sender.close()
