@@ -462,6 +462,10 @@ class SyncCommitRequest(_Message):
     manifest is incomplete."""
     fingerprint: str | None = None
     """Learner-side weights fingerprint to compare after the swap; None = skip the comparison."""
+    min_ver: int | None = Field(default=None, ge=0)
+    """Lowest ver this commit may produce: the server sets ``ver = max(previous + 1, min_ver)``.
+    The learner passes its own ver + 1, so ver continues from ``max(server ver, checkpoint ver) + 1``
+    after a learner resume or a server restart and never goes back. None = previous + 1."""
 
 
 class SyncCommitResponse(_Message):
@@ -472,7 +476,7 @@ class SyncCommitResponse(_Message):
     """
 
     ver: int = Field(ge=0)
-    """New weight version (previous + 1)."""
+    """New weight version: ``max(previous + 1, min_ver)``."""
     commit_s: float = Field(ge=0)
     """Seconds to swap weights and reset caches."""
     fingerprint: str

@@ -181,7 +181,8 @@ class NcclWeightSender:
         return box["session"]
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
-             fence: str = "drain", on_phase: Callable[[str], None] | None = None) -> SyncReport:
+             fence: str = "drain", on_phase: Callable[[str], None] | None = None,
+             min_ver: int | None = None) -> SyncReport:
         """Send every served weight and commit; raises :class:`SyncError` (server keeps old weights and ver).
 
         ``on_phase(name)`` is called after ``begin`` (tests use it to freeze the server mid-sync).
@@ -222,7 +223,7 @@ class NcclWeightSender:
             update = session.update(header)  # returns once the server received and loaded every chunk
             sender.join(deadline)
             t3 = time.monotonic()
-            done = session.commit(fp)
+            done = session.commit(fp, min_ver)
             t4 = time.monotonic()
         except BaseException as exc:
             if not isinstance(exc, SyncError) or exc.phase in ("update", "wire"):

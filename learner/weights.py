@@ -125,12 +125,14 @@ class WeightSync:
 
     def _push_all(self, model: torch.nn.Module, step: int, ver: int) -> tuple[int, int, dict[str, float]]:
         metrics = {"time/sync_fence": 0.0, "time/sync_wire": 0.0, "time/sync_commit": 0.0}
-        vers = []
+        vers: list[int] = []
+        floor = ver + 1  # ver continues from max(server ver, learner/checkpoint ver) + 1; servers converge
         for url in self.servers:
             self.client_calls += 1
             t_push = time.monotonic()
             try:
-                report = self._client(url).push(named_weights(model), bucket_bytes=self.bucket_bytes, fence=self.fence)
+                report = self._client(url).push(named_weights(model), bucket_bytes=self.bucket_bytes, fence=self.fence,
+                                                min_ver=floor)
             except Exception as exc:  # noqa: BLE001 - any failure of the sync keeps training alive (module docstring)
                 stale = self._clients.pop(url, None)  # a fresh client (and connection) next time
                 if stale is not None and hasattr(stale, "close"):
@@ -143,6 +145,7 @@ class WeightSync:
                 )
                 return ver, 0, metrics
             vers.append(int(report.ver))  # the client logged the phases and both fingerprints
+            floor = max(floor, int(report.ver))
             metrics["time/sync_fence"] += report.fence_s
             metrics["time/sync_wire"] += report.wire_s
             metrics["time/sync_commit"] += report.commit_s

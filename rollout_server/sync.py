@@ -418,7 +418,7 @@ class SyncController:
                 self.session, self.state = None, SyncState.IDLE
                 raise ApiError(500, "engine_error", self.error)
             fp = self.engine.fingerprint()
-            ver = self.fence.ver + 1
+            ver = max(self.fence.ver + 1, req.min_ver or 0)
             await self.engine.resume()
             await self.fence.open(ver)  # ver += 1, THEN admission reopens (one step for waiters)
             commit_s = time.monotonic() - t0

@@ -109,8 +109,8 @@ class SyncSession:
         self.bytes += resp.nbytes
         return resp
 
-    def commit(self, fingerprint: str | None = None) -> SyncCommitResponse:
-        req = SyncCommitRequest(session=self.id, n_buckets=self.n_buckets, fingerprint=fingerprint)
+    def commit(self, fingerprint: str | None = None, min_ver: int | None = None) -> SyncCommitResponse:
+        req = SyncCommitRequest(session=self.id, n_buckets=self.n_buckets, fingerprint=fingerprint, min_ver=min_ver)
         return self.client._call("commit", "/sync/commit", req, SyncCommitResponse, self.deadline)
 
     def abort(self, reason: str | None = None) -> SyncAbortResponse:
@@ -230,8 +230,11 @@ class WeightSyncClient:
             yield name, t.detach().to(device="cpu", dtype=W.torch_dtype(dtypes[name])).contiguous()
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
-             fence: str = "drain") -> SyncReport:
-        """Send every served weight and commit; see the module docstring. Raises :class:`SyncError`."""
+             fence: str = "drain", min_ver: int | None = None) -> SyncReport:
+        """Send every served weight and commit; see the module docstring. Raises :class:`SyncError`.
+
+        ``min_ver``: the lowest ver the commit may produce (``SyncCommitRequest.min_ver``).
+        """
         t0 = time.monotonic()
         session = self.open(bucket_bytes)
         info = session.info
@@ -244,7 +247,7 @@ class WeightSyncClient:
             for bucket in W.iter_buckets(self.cast_stream(info, planned), bucket_bytes):
                 session.send_bucket(bucket)
             t3 = time.monotonic()
-            done = session.commit(fp)
+            done = session.commit(fp, min_ver)
             t4 = time.monotonic()
         except BaseException as exc:
             try:
