@@ -71,6 +71,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     ax = axes[2][1]
     ax.plot(steps, series("learner/busy_fraction"), label="busy fraction")
     ax.plot(steps, series("time/wait_for_packs"), "--", label="wait for packs (s)")
+    ax.plot(steps, series("time/wait_for_a_window"), ":", label="wait for A window (s)")
     ax.set_title("learner utilisation"); ax.legend(); ax.set_xlabel("optimizer step")
 
     fig.suptitle(f"tandem run: {run_dir}")

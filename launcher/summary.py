@@ -55,6 +55,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_fill_a": _mean([r.get("packing/fill", 0.0) for r in records if not r.get(K + "step_kind_b")]),
         "busy_fraction": _mean([r.get("learner/busy_fraction", 0.0) for r in records]),
         "wait_for_packs_s": sum(r.get("time/wait_for_packs", 0.0) for r in records),
+        "wait_for_a_window_s": sum(r.get("time/wait_for_a_window", 0.0) for r in records),
         "rollout_precision": _mean([r["rollout/precision"] for r in b_recs if "rollout/precision" in r]),
         "rollout_recall": _mean([r["rollout/recall"] for r in b_recs if "rollout/recall" in r]),
         "rollout_f1": _mean([r["rollout/f1"] for r in b_recs if "rollout/f1" in r]),
@@ -76,7 +77,8 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"drops: stale / oldest  {s['drop_stale_total']} / {s['drop_oldest_total']}",
         f"final ver              {s['ver_final']}  (syncs: {s['syncs']})",
         f"mean pack fill         B {f(s['mean_fill_b'])}  A {f(s['mean_fill_a'])}",
-        f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s)",
+        f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s, "
+        f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s)",
         f"rollout P / R / F1     {f(s['rollout_precision'])} / {f(s['rollout_recall'])} / {f(s['rollout_f1'])}",
         f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
     ]

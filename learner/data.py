@@ -15,7 +15,11 @@ exceeds one window's worth of samples.
 
 Sample ids are ``A:<record id or line>@<epoch>``. The sampler position (epoch, index within the
 epoch) and the carry's (epoch, line) references are the checkpointed state: a resumed run draws
-exactly the samples the uninterrupted run would have.
+exactly the samples the uninterrupted run would have. A window is a pure function of that state,
+which is what lets learner/prefetch.py build it one step early and still checkpoint exactly.
+
+Threads: not thread-safe (nor is its Encoder). In the learner, the Channel-A prefetch thread owns
+this object and its Encoder from ``ChannelAPrefetcher.start()`` on; nothing else may call it then.
 
 What this module does not know: ranks beyond (rank, world), models, or Channel-B.
 """
@@ -125,13 +129,13 @@ class ChannelAData:
         return segment
 
     def next_window(self, ver: int) -> list[Pack]:
-        """Exactly GA packs for one A step (segments tagged ``ver``, the learner's current version).
+        """Exactly GA packs for one A step (segments tagged ``ver``).
 
-        NOTE: runs on the training thread (image decoding + processor + targets, ~10 ms per tiny
-        sample on CPU); preparing the next window in a background thread would take it off the
-        critical path on GPUs, at the price of checkpointing the prefetched window's position.
+        The synchronous path: image decoding + processor + targets, ~5 ms per tiny sample on CPU.
+        The learner calls it on the Channel-A prefetch thread (learner/prefetch.py), one window
+        ahead, and retags the segments with its ver when it takes the window.
         """
-        pending = [(ref, seg if seg.ver == ver else _retag(seg, ver)) for ref, seg in self.carry]
+        pending = [(ref, seg if seg.ver == ver else retag(seg, ver)) for ref, seg in self.carry]
         for _ in range(max(0, self.per_device * self.ga - len(pending))):
             ref = self._draw()
             if (seg := self._encode(ref, ver)) is not None:
@@ -172,6 +176,6 @@ class ChannelAData:
                 self.carry.append((ref, seg))
 
 
-def _retag(segment: Segment, ver: int) -> Segment:
-    """A carried Channel-A segment joins the next window under the learner's current ver."""
+def retag(segment: Segment, ver: int) -> Segment:
+    """A Channel-A segment (carried or prefetched) joins the window under the learner's current ver."""
     return replace(segment, ver=ver)

@@ -164,8 +164,9 @@ def _micro_b(learner: Any, stream: _BStream, stats: RankStats) -> None:
 
 
 def _a_step(learner: Any, stats: RankStats) -> None:
-    packs = learner.data_a.next_window(learner.ver)
-    inputs = [learner.inputs(p.tensors()) for p in packs]
+    window = learner.take_a_window(stats)
+    packs = window.packs
+    inputs = [learner.inputs(a) for a in window.arrays]
     norm = learner.global_normaliser(inputs)
     for i, (inp, pack) in enumerate(zip(inputs, packs)):
         seen = learner.forward_backward(inp, norm, stats, sync_grads=True)

@@ -9,7 +9,8 @@ One optimizer step, every rank in lockstep; what each wait is unblocked by::
     │   every rank: queue.set_ver(ver) → stale packs dropped, credits republished                  │
     │ decision: all_reduce(MIN eligible) ─► rank 0 kind ─► broadcast ─► reserve GA packs (B)       │
     │   (unblocked by every rank reaching the decision; waits for packs only if pack_wait_s > 0)   │
-    │ GA packs: B = the reserved ones; A = learner/data.py window (exactly GA)                    │
+    │ GA packs: B = the reserved ones; A = the window learner/prefetch.py built during an earlier │
+    │   step (exactly GA; waits only if that thread is behind: time/wait_for_a_window)            │
     │ normaliser: all_reduce(SUM) of CE tokens and boxes of every rank's GA packs                 │
     │ GA micro-steps, ONE packed forward/backward each; no_sync on all but the last               │
     │   (the last backward's gradient all-reduce waits for every rank's backward)                 │
@@ -17,10 +18,12 @@ One optimizer step, every rank in lockstep; what each wait is unblocked by::
     │ all_gather of this step's per-rank stats ─► rank 0 writes metrics.jsonl                     │
     │ checkpoint due? (every rank writes its part; barriers)                                      │
     └─────────────────────────────────────────────────────────────────────────────────────────────┘
-    Meanwhile, on every rank, the ready queue's receiver thread drains ZMQ and publishes credits.
+    Meanwhile, on every rank, the ready queue's receiver thread drains ZMQ and publishes credits, and
+    the Channel-A prefetch thread builds the next A window (at most one ahead; learner/prefetch.py).
     Nothing in the loop waits on an actor: an empty queue makes an A step.
 
-On B steps the Channel-A sampler does not advance (origin hazard 6: no silently discarded A data).
+On B steps the Channel-A sampler does not advance (origin hazard 6: no silently discarded A data):
+the prefetched window waits, and checkpoints store the sampler state of the windows taken.
 
 What this module does not know: sockets beyond constructing them, or how actors produce packs.
 """
@@ -47,6 +50,7 @@ from learner.distributed import Dist
 from learner.loss import LossWeights, Normaliser, pack_loss
 from learner.metrics import MetricsWriter, RankStats, gather_stats_record
 from learner.model import PackInputs, build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, resolve_dtype
+from learner.prefetch import AWindow, ChannelAPrefetcher
 from learner.queue import ReadyQueue
 from learner.weights import WeightSync
 
@@ -71,6 +75,7 @@ class Learner:
         self.b_trained: set[str] = set()  # the B-sample ledger (shared with the ready queue in async mode)
         self.totals = {"steps_a": 0, "steps_b": 0, "b_skipped_due_to_queue": 0, "optimizer_updates": 0, "forwards": 0}
         self.queue: ReadyQueue | None = None
+        self.a_windows: ChannelAPrefetcher | None = None
         self._sockets: list[Any] = []
         self._trace = None
         self.sync = WeightSync(cfg, dist)
@@ -132,9 +137,18 @@ class Learner:
             self.model = model
         from actor.encode import encoder_from_config
 
-        self.encoder = encoder_from_config(cfg)
-        self.data_a = ChannelAData(cfg, self.encoder, rank=dist.rank, world_size=dist.world_size, ga=self.ga)
+        self.encoder = encoder_from_config(cfg)  # the training thread's (one-process modes' B pipeline, bench)
+        # Channel-A gets its own Encoder: its prefetch thread runs it, and an Encoder is not thread-safe.
+        self.data_a = ChannelAData(cfg, encoder_from_config(cfg), rank=dist.rank, world_size=dist.world_size, ga=self.ga)
         self._resume()
+        per_window = cfg.training.per_device_train_batch_size * self.ga
+        # Half the collective deadline: a rank whose window is stuck fails, naming the cause, before its
+        # peers (already waiting in the step's first all_reduce) time out with a less telling message.
+        self.a_windows = ChannelAPrefetcher(
+            self.data_a, rank=dist.rank, deadline_s=cfg.learner.collective_timeout_s / 2,
+            what=f"{per_window} samples of {cfg.data.train_jsonl}", deadline_from="half of learner.collective_timeout_s",
+        )
+        self.a_windows.start()  # from here on its thread owns data_a; the first window builds during the first sync
         if cfg.training.trace_micro_steps:
             self.out.mkdir(parents=True, exist_ok=True)
             self._trace = (self.out / f"trace_rank{dist.rank}.jsonl").open("a", encoding="utf-8")
@@ -241,7 +255,7 @@ class Learner:
         stats["kind_b"] = float(kind_b)
         stats["ver_current"] = self.ver
         stats["sync_client_calls"] = self.sync.client_calls
-        a = self.data_a.counters
+        a = self.a_windows.counters  # as of the last window taken, not the one prefetched
         stats["a_dropped_total"], stats["a_window_carry"] = a["too_long_dropped"] + a["record_errors"], a["window_carry"]
         if self.queue is not None:
             counters = self.queue.snapshot()
@@ -279,11 +293,20 @@ class Learner:
                 "recent_kinds_b": list(self.recent_kinds), "realized_total_steps": self.realized.total_steps,
                 "realized_total_b": self.realized.total_b,
             },
-            rank_state={"data_a": self.data_a.state_dict(), "queue": queue_state},
+            rank_state={"data_a": self.a_windows.state_dict(), "queue": queue_state},  # taken windows only
             trained_ids=self.b_trained,
         )
 
+    def take_a_window(self, stats: RankStats) -> AWindow:
+        """This step's Channel-A window (exactly GA packs tagged with the current ver), built ahead on a thread."""
+        t0 = time.monotonic()
+        window = self.a_windows.take(self.ver)  # type: ignore[union-attr]
+        stats["time_wait_for_a_window"] += time.monotonic() - t0
+        return window
+
     def close(self) -> None:
+        if self.a_windows is not None:
+            self.a_windows.close()
         if self.queue is not None:
             self.queue.stop()
         for sock in self._sockets:
@@ -308,8 +331,9 @@ class Learner:
             items = decision.packs
             arrays, metas = [it.arrays for it in items], [it.message.meta.get("segments", []) for it in items]
         else:
-            packs = self.data_a.next_window(self.ver)
-            items, arrays, metas = [None] * len(packs), [p.tensors() for p in packs], [p.segment_meta() for p in packs]
+            window = self.take_a_window(stats)
+            packs, arrays = window.packs, window.arrays
+            items, metas = [None] * len(packs), [p.segment_meta() for p in packs]
         if len(arrays) != self.ga:  # DDP safety: every rank runs exactly GA micro-steps
             raise RuntimeError(f"rank {self.dist.rank}: {len(arrays)} packs for a window of GA={self.ga} at step {self.step}")
         inputs = [self.inputs(a) for a in arrays]

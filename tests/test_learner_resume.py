@@ -5,10 +5,13 @@ also shows the outage rule — the learner counts ``sync/failures``, keeps its v
 Fake actors keep each rank's queue at target; ``pack_wait_s`` makes every wanted B step feasible,
 so the A/B sequence is the policy's. After the restart each fake actor starts its sample ids from
 0 again, as an actor that ignored the checkpoint's B ledger would: the learner must drop those.
+The checkpoint at step N follows a B step, so each rank's Channel-A prefetch thread holds a window
+built but not trained at save time: the checkpoint must describe the samples trained, not that one.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import pytest
@@ -61,12 +64,15 @@ def runs(tmp_path_factory, tiny_model_dir, synth_data_dir):
     train(whole, tmp / "whole.log", pool, N + M, resume=False)
     train(parts, tmp / "part1.log", pool, N, resume=False)
     part1_traces = read_traces(tmp / "parts", 2)
+    ckpt = tmp / "parts" / "checkpoints" / str(N)
+    part1_rank_states = [json.loads((ckpt / f"rank{r}.json").read_text()) for r in (0, 1)]
     (tmp / "parts" / "trace_rank0.jsonl").rename(tmp / "part1_rank0.jsonl")
     (tmp / "parts" / "trace_rank1.jsonl").rename(tmp / "part1_rank1.jsonl")
     train(parts, tmp / "part2.log", pool, N + M, resume=True)
     return {
         "whole": read_metrics(tmp / "whole"), "parts": read_metrics(tmp / "parts"),
         "whole_traces": read_traces(tmp / "whole", 2), "part1_traces": part1_traces,
+        "part1_rank_states": part1_rank_states,
         "part2_traces": read_traces(tmp / "parts", 2),
     }
 
@@ -82,17 +88,32 @@ def test_the_resumed_a_b_sequence_equals_the_uninterrupted_run(runs):
     assert all(m["stage2_ab/async/b_step_skipped_due_to_queue"] == 0 for m in whole + parts)
 
 
-def test_channel_a_samples_continue_where_the_checkpoint_left_them(runs):
-    def a_samples(traces):
-        out = defaultdict(list)
-        for t in traces:
-            if t["kind"] == "A":
-                out[(t["rank"], t["step"])] += t["sample_ids"]
-        return dict(out)
+def a_samples(traces):
+    """{(rank, step): Channel-A sample ids trained in that step, in micro-step order}."""
+    out = defaultdict(list)
+    for t in traces:
+        if t["kind"] == "A":
+            out[(t["rank"], t["step"])] += t["sample_ids"]
+    return dict(out)
 
+
+def test_channel_a_samples_continue_where_the_checkpoint_left_them(runs):
     resumed = a_samples(runs["part1_traces"] + runs["part2_traces"])
-    assert resumed == a_samples(runs["whole_traces"])
+    assert resumed == a_samples(runs["whole_traces"]), "per rank and step, the same A samples in the same order"
     assert any(step >= N for _, step in resumed), "part 2 trained A steps"
+
+
+def test_the_checkpoint_holds_the_channel_a_samples_trained_not_the_window_prefetched(runs):
+    trained = a_samples(runs["part1_traces"])
+    for r, rank_state in enumerate(runs["part1_rank_states"]):
+        state = rank_state["data_a"]
+        assert state["ahead"] == 1, f"rank {r}: no window was waiting at save time, so this test would prove nothing"
+        n_trained = sum(len(ids) for (rank, _), ids in trained.items() if rank == r)
+        c = state["counters"]
+        assert n_trained > 0 and state["epoch"] == 0
+        assert state["position"] == n_trained + len(state["carry"]) + c["too_long_dropped"] + c["record_errors"], (
+            f"rank {r}: the saved sampler position counts samples drawn beyond those trained (or carried)"
+        )
 
 
 def test_no_b_sample_is_trained_twice_across_the_restart(runs):
