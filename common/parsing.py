@@ -139,12 +139,16 @@ class _TokenizerTable:
 
     def coord_bin_of(self, coord_ids: Sequence[int] | None) -> dict[int, int]:
         """id -> bin for the 1000 coord tokens (looked up and checked once per tokenizer)."""
+        last = getattr(self, "_last_coord", None)
+        if last is not None and last[0] is coord_ids:  # hot path: callers pass the same list every time
+            return last[1]
         key = None if coord_ids is None else tuple(int(i) for i in coord_ids)
         if key not in self.coord_bins:
             ids = key if key is not None else coord_token_ids(self.tokenizer)
             if len(ids) != NUM_BINS or len(set(ids)) != NUM_BINS:
                 raise CoordTokenError(f"coord_ids must be {NUM_BINS} distinct ids in bin order, got {len(ids)}")
             self.coord_bins[key] = {tid: k for k, tid in enumerate(ids)}
+        self._last_coord = (coord_ids, self.coord_bins[key])  # holds coord_ids, so its identity stays unique
         return self.coord_bins[key]
 
     def pieces_of(self, ids: list[int]) -> list[str | None]:
