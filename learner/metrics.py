@@ -163,7 +163,7 @@ class MetricsWriter:
         self._jsonl.flush()
         if self._tb is not None:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._tb.add_scalar(k, v, record["step"])
         if self._bar is not None:
             self._bar.update(1)
