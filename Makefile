@@ -42,6 +42,7 @@ bench: $(STAMP) data tiny-model
 	$(PYTHON) bench/bench_rollout_server.py
 	$(PYTHON) bench/bench_actor.py
 	$(PYTHON) bench/bench_learner.py
+	$(PYTHON) bench/bench_sync_modes.py
 
 docs: $(STAMP)
 	$(PYTHON) -m common.config --markdown > docs/config.md

@@ -121,7 +121,9 @@ class AsyncConfig:
     sync_every_steps: int = doc("Push weights to the server (ver += 1) every N optimizer steps.", 1)
     prefetch_target_packs: int = doc("Credits per rank: actors keep in-flight + queued ≤ this. GA ≤ it ≤ queue_limit.", 4)
     sync_mode: Literal["blocking", "overlap"] = doc(
-        "blocking = barrier → rank 0 push → barrier; overlap = push from a snapshot while training continues.",
+        "blocking = barrier → rank 0 push → barrier (every rank stalls for the push); overlap = rank 0 pushes a "
+        "snapshot from a background thread while every rank trains on, the new ver adopted at the first step "
+        "boundary after the commit (mode async only; docs/learner.md).",
         "blocking",
     )
 
@@ -559,6 +561,11 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     if cb.mode in ("step", "micro") and world_size is not None and world_size > 1:
         problems.add("stage2_ab.channel_b.mode", cb.mode, f"{cb.mode} mode runs on one learner process, world_size is {world_size}",
                      "use stage2_ab.channel_b.mode: async for multi-GPU learners")
+    if a.sync_mode == "overlap" and cb.mode != "async":
+        problems.add("stage2_ab.channel_b.async.sync_mode", a.sync_mode,
+                     f"overlap is for mode async; {cb.mode} mode rolls out against the server inside its own B steps, "
+                     "so they would wait at the server's sync fence for the push anyway (and step is the synchronous "
+                     "baseline)", "use sync_mode: blocking, or stage2_ab.channel_b.mode: async")
     positive("stage2_ab.channel_b.rollout_decode_batch_size", cb.rollout_decode_batch_size)
     positive("stage2_ab.channel_b.rollouts_per_step", cb.rollouts_per_step)
     positive("stage2_ab.channel_b.async.queue_limit", a.queue_limit)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 #: Scalar per-rank fields, in vector order (the trained pack vers follow, padded to GA with -1).
 RANK_FIELDS = (
     "kind_b", "micro_steps", "forwards", "backwards", "max_forwards_per_micro", "packs", "segments", "tokens",
-    "time_forward_backward", "time_wait_for_packs", "time_wait_for_a_window", "time_step",
+    "time_forward_backward", "time_wait_for_packs", "time_wait_for_a_window", "time_step", "time_sync_stall",
     "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou",
     "ver_lag_sum", "ver_lag_max", "queue_depth", "fill_sum", "ver_current", "sync_client_calls",
     "a_dropped_total", "a_window_carry",
@@ -106,6 +106,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "time/forward_backward_mean": sum(fb) / n,
         "time/wait_for_packs": max(r["time_wait_for_packs"] for r in per_rank),
         "time/wait_for_a_window": max(r["time_wait_for_a_window"] for r in per_rank),
+        "time/sync_stall": max(r["time_sync_stall"] for r in per_rank),
         "learner/busy_fraction": min(1.0, (sum(fb) / n) / step_s),
         "learner/micro_steps": [int(r["micro_steps"]) for r in per_rank],
         "learner/forwards": [int(r["forwards"]) for r in per_rank],

@@ -180,7 +180,7 @@ def run_sync_mode(learner: Any, mode: str) -> None:
     while learner.step < learner.cfg.training.max_steps:
         t_step = time.monotonic()
         stats, facts = RankStats(), {}
-        learner.maybe_sync(facts)
+        learner.maybe_sync(facts, stats)
         kind_b = wants_b(learner.step, learner.b_ratio)
         if kind_b:
             (_step_b if mode == "step" else _micro_b)(learner, stream, stats)

@@ -210,7 +210,10 @@ class NcclWeightSender:
             chunks = W.packed_chunks([end - begin for begin, end in header.offsets], bucket_bytes)
             tensors = [(t.detach(), W.torch_dtype(dtypes[n])) for n, t in planned]  # cast chunk by chunk
             ready = None
-            if tensors[0][0].is_cuda:  # the side streams must see what the caller's stream wrote (optimizer step)
+            # The side streams must see what the caller's stream wrote: the optimizer step (blocking mode), or in
+            # overlap mode the snapshot copy (the push thread calls us inside WeightSnapshot.reading(), whose
+            # stream waits for the copy's event: learner/overlap.py).
+            if tensors[0][0].is_cuda:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(tensors[0][0].device))
             t1 = time.monotonic()

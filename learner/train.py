@@ -3,9 +3,12 @@
 One optimizer step, every rank in lockstep; what each wait is unblocked by::
 
     ┌─ boundary before step s ──────────────────────────────────────────────────────────────────┐
-    │ sync due? (first step of the process, then every sync_every_steps)        learner/weights.py │
-    │   barrier ─► rank 0 pushes weights to the server(s) ─► barrier ─► broadcast [ver, ok]        │
-    │   (unblocked by rank 0's push returning: success, error or sync.timeout_s)                   │
+    │ sync (learner/weights.py; the first boundary of the process is always a blocking sync):     │
+    │   blocking, when due: barrier ─► rank 0 pushes ─► barrier ─► broadcast [ver, ok]             │
+    │     (unblocked by rank 0's push returning: success, error or sync.timeout_s)                 │
+    │   overlap, every step: rank 0 collects a finished push, snapshots + starts one when due      │
+    │     (deferred while one is in flight) ─► broadcast [ver, outcome, ...]; the push runs on     │
+    │     rank 0's thread while every rank trains on (unblocked by rank 0's snapshot only)         │
     │   every rank: queue.set_ver(ver) → stale packs dropped, credits republished                  │
     │ decision: all_reduce(MIN eligible) ─► rank 0 kind ─► broadcast ─► reserve GA packs (B)       │
     │   (unblocked by every rank reaching the decision; waits for packs only if pack_wait_s > 0)   │
@@ -14,9 +17,9 @@ One optimizer step, every rank in lockstep; what each wait is unblocked by::
     │ normaliser: all_reduce(SUM) of CE tokens and boxes of every rank's GA packs                 │
     │ GA micro-steps, ONE packed forward/backward each; no_sync on all but the last               │
     │   (the last backward's gradient all-reduce waits for every rank's backward)                 │
-    │ clip, AdamW step, LR schedule; global_step = s + 1                                          │
+    │ clip, AdamW step (GPU overlap: after the snapshot copy's event), LR schedule; global_step    │
     │ all_gather of this step's per-rank stats ─► rank 0 writes metrics.jsonl                     │
-    │ checkpoint due? (every rank writes its part; barriers)                                      │
+    │ checkpoint due? (overlap: settle the push in flight first; every rank writes its part)      │
     └─────────────────────────────────────────────────────────────────────────────────────────────┘
     Meanwhile, on every rank, the ready queue's receiver thread drains ZMQ and publishes credits, and
     the Channel-A prefetch thread builds the next A window (at most one ahead; learner/prefetch.py).
@@ -78,7 +81,8 @@ class Learner:
         self.a_windows: ChannelAPrefetcher | None = None
         self._sockets: list[Any] = []
         self._trace = None
-        self.sync = WeightSync(cfg, dist)
+        self.sync = WeightSync(cfg, dist, progress=lambda: self.step)
+        self._carry_facts: dict[str, Any] = {}  # a push outcome adopted at a checkpoint: reported with the next step
         ab = cfg.stage2_ab
         self.loss_weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature)
 
@@ -101,17 +105,13 @@ class Learner:
 
     def setup(self) -> None:
         cfg, dist = self.cfg, self.dist
-        if cfg.stage2_ab.channel_b.async_.sync_mode != "blocking":
-            raise ConfigError([
-                f"stage2_ab.channel_b.async.sync_mode = {cfg.stage2_ab.channel_b.async_.sync_mode!r}: not implemented "
-                "yet (design section 4: a later goal). Fix: use sync_mode: blocking"
-            ])
         sync_t = cfg.rollout_matching.vllm.sync.timeout_s
         if dist.world_size > 1 and cfg.learner.collective_timeout_s <= sync_t:
             raise ConfigError([
                 f"learner.collective_timeout_s = {cfg.learner.collective_timeout_s}: must exceed "
                 f"rollout_matching.vllm.sync.timeout_s = {sync_t} (the other ranks wait at a barrier while rank 0 "
-                f"pushes). Fix: raise learner.collective_timeout_s above {sync_t}"
+                f"pushes: every blocking sync, and in overlap mode the start-up sync and a checkpoint's wait for "
+                f"the push in flight). Fix: raise learner.collective_timeout_s above {sync_t}"
             ])
         from actor.stream import resolve_resume_checkpoint
 
@@ -181,17 +181,31 @@ class Learner:
 
     # -- one optimizer step's pieces ------------------------------------------------------------
 
-    def maybe_sync(self, facts: dict[str, Any]) -> None:
-        """The blocking weight sync of learner/weights.py when due; every rank adopts rank 0's ver."""
-        if not self.sync.due(self.step):
+    def maybe_sync(self, facts: dict[str, Any], stats: RankStats) -> None:
+        """The step boundary's weight sync (learner/weights.py, either mode); every rank adopts rank 0's ver.
+
+        ``time/sync_stall`` is what the training thread spent here: blocking, the barrier-to-barrier
+        push on sync steps; overlap, the snapshot (rank 0) and the state broadcast on every step.
+        """
+        if self._carry_facts:
+            facts.update(self._carry_facts)
+            self._carry_facts = {}
+        t0 = time.monotonic()
+        result = self.sync.boundary(self.model, self.step, self.ver)
+        if result is not None:
+            self._adopt(result, facts)
+        stats["time_sync_stall"] += time.monotonic() - t0
+
+    def _adopt(self, result: Any, facts: dict[str, Any]) -> None:
+        facts.update(result.metrics)
+        if not result.finished:
             return
-        result = self.sync.run(self.model, self.step, self.ver)
         if result.ok:
             self.ver = result.ver
         if self.queue is not None:
             self.queue.set_ver(self.ver)
-        facts.update(result.metrics)
-        facts["sync/ok"] = facts["sync/count"] = int(result.ok)  # count: syncs committed in this step (sum over records)
+        facts["sync/ok"] = int(result.ok)
+        facts["sync/count"] = facts.get("sync/count", 0) + int(result.ok)  # adopted in this step (sum over records)
 
     def inputs(self, arrays: dict) -> PackInputs:
         return pack_inputs(arrays, self.cfg.model.attn_implementation, self.dtype, self.dist.device)
@@ -246,6 +260,7 @@ class Learner:
 
     def finish_step(self, stats: RankStats, facts: dict[str, Any], kind_b: bool, t_step: float) -> None:
         """Optimizer update, counters, the gathered metrics record, and a checkpoint when due."""
+        self.sync.before_weights_change()  # GPU overlap: the update waits for the snapshot copy (device-side)
         facts["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.training.max_grad_norm)
         facts["train/lr"] = self.scheduler.get_last_lr()[0]
         self.totals["optimizer_updates"] += 1
@@ -278,7 +293,17 @@ class Learner:
         if (every and self.step % every == 0) or self.step >= self.cfg.training.max_steps:
             self.save()
 
+    def settle_sync(self, why: str) -> None:
+        """overlap: wait for the push in flight (its deadline) and adopt its outcome on every rank (a collective);
+        its timings go into the next step's record (this step's is written). blocking: nothing to do."""
+        settled = self.sync.settle(self.model, self.step, self.ver, why)
+        if settled is not None:
+            facts: dict[str, Any] = {}
+            self._adopt(settled, facts)
+            self._carry_facts = {k: v for k, v in facts.items() if k not in ("sync/in_flight", "sync/started")}
+
     def save(self) -> None:
+        self.settle_sync("checkpoint")  # so the saved ver is the server's (docs/learner.md, Weight sync)
         queue_state = {}
         if self.queue is not None:
             c = self.queue.snapshot()
@@ -305,6 +330,7 @@ class Learner:
         return window
 
     def close(self) -> None:
+        self.sync.close()  # waits for a push in flight up to its deadline (rank 0)
         if self.a_windows is not None:
             self.a_windows.close()
         if self.queue is not None:
@@ -321,7 +347,7 @@ class Learner:
     def async_step(self) -> None:
         t_step = time.monotonic()
         stats, facts = RankStats(), {}
-        self.maybe_sync(facts)
+        self.maybe_sync(facts, stats)
         t0 = time.monotonic()
         decision = decide_step(self.step, self.b_ratio, self.ga, self.queue, self.dist, wait_s=self.cfg.learner.pack_wait_s)
         stats["time_wait_for_packs"] = time.monotonic() - t0

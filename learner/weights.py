@@ -1,7 +1,7 @@
-"""Weight sync from the learner to the rollout servers, blocking mode (design section 4).
+"""Weight sync from the learner to the rollout servers: ``blocking`` and ``overlap`` modes (design section 4).
 
-At a step boundary every ``stage2_ab.channel_b.async.sync_every_steps`` optimizer steps, and once
-at start (fresh or resumed)::
+``stage2_ab.channel_b.async.sync_mode: blocking`` (default). At a step boundary every
+``stage2_ab.channel_b.async.sync_every_steps`` optimizer steps, and once at start (fresh or resumed)::
 
     every rank: barrier("before the push")                     all ranks stop at the boundary
     rank 0:     WeightSyncClient.push(full weights, bucketed)  init → begin (server fence) → buckets → commit
@@ -9,9 +9,30 @@ at start (fresh or resumed)::
     every rank: barrier("after the push")                      unblocked when rank 0 returns (or fails)
     every rank: broadcast [ver, ok] from rank 0                every rank adopts the same ver before the next decision
 
-Only rank 0 constructs a client or opens a connection; the other ranks only take part in the
-collectives (no rank-dependent branch around a collective: the three collectives run on every rank
-whatever happens on rank 0).
+``sync_mode: overlap`` (async mode only). The start-up sync is the blocking one above (server and
+learner agree before the first step). Then, at EVERY step boundary, every rank::
+
+    rank 0:     outcome = the push thread's result if it finished since the last boundary (learner/overlap.py)
+                due (sync_every_steps since the last push started)?
+                  push idle: snapshot the weights (CPU copy / GPU copy on a side stream after an event)
+                             and hand them to the push thread; returns at once       time/sync_snapshot
+                  push busy: deferred (sync/deferred += 1); it starts at the first boundary the thread is idle
+    every rank: broadcast [ver, outcome, started, deferred, in_flight] from rank 0   one tiny collective, every step
+    every rank: adopt ver (queue.set_ver) when an outcome came; count attempts/successes/failures/deferred alike
+
+No barrier surrounds the push: every rank trains on while rank 0's thread pushes. A push that
+commits during step s becomes the learner's ver at the boundary before step s + 1 (the first one
+after the push thread has the commit's answer), on every rank at once (the broadcast). The server tags every /infer response with the ver whose weights produced
+it, so packs stay exact; the learner's ``ver_current`` lags the server's by at most one ver, and
+only from the commit to that boundary, during which packs of ``ver_current + 1`` can arrive and are
+trained like any other (their ``ver_lag`` is -1). docs/learner.md spells out what ``version_window``
+bounds in this mode. :meth:`WeightSync.settle` waits for a push in flight (with a
+deadline) and adopts its outcome; the learner calls it before a checkpoint, so the checkpoint's ver
+is the server's.
+
+Only rank 0 constructs a client, a snapshot or a thread, or opens a connection; the other ranks only
+take part in the collectives (no rank-dependent branch around a collective: the collectives of
+either mode run on every rank whatever happens on rank 0).
 
 A failed or timed-out push (server down, 409, 5xx, deadline) is **not fatal**: rank 0 logs the
 error naming the server URL and the command that starts it, counts ``sync/failures``, and every
@@ -25,17 +46,19 @@ What this module does not know: queues, the schedule, or how the server stages w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from learner.distributed import Dist
+from learner.overlap import ABORT_GRACE_S, BackgroundPush, WeightSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +82,19 @@ def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass
 class SyncResult:
-    """What every rank learns from one sync (identical on every rank after the broadcast)."""
+    """What every rank learns at one boundary (identical on every rank after the broadcast)."""
 
     ok: bool
     ver: int
     metrics: dict[str, float] = field(default_factory=dict)  # rank 0's timings; empty on other ranks
+    finished: bool = True  # a push's outcome arrived at this boundary (overlap mode: not on most steps)
 
 
 class WeightSync:
-    """The blocking sync protocol of the module docstring, with its cadence and counters."""
+    """The sync protocols of the module docstring, with their cadence and counters."""
 
-    def __init__(self, cfg: Any, dist: Dist) -> None:
+    def __init__(self, cfg: Any, dist: Dist, progress: Callable[[], int] = lambda: 0) -> None:
+        """``progress()``: optimizer steps the learner has completed (overlap mode reads it on the push thread)."""
         self.dist = dist
         vcfg = cfg.rollout_matching.vllm
         self.servers = [s.base_url for s in vcfg.servers]
@@ -80,15 +105,66 @@ class WeightSync:
         self.master_addr = vcfg.sync.master_addr
         self.connect_timeout_s = float(vcfg.connect_timeout_s)
         self.every = int(cfg.stage2_ab.channel_b.async_.sync_every_steps)
+        self.mode = cfg.stage2_ab.channel_b.async_.sync_mode
         self.auth_token = cfg.rollout_server.auth_token
         self._clients: dict[str, Any] = {}
         self.last_sync_step: int | None = None
-        self.counts = {"sync/attempts": 0, "sync/successes": 0, "sync/failures": 0}
+        self.counts = {"sync/attempts": 0, "sync/successes": 0, "sync/failures": 0, "sync/deferred": 0}
         self.client_calls = 0  # pushes this rank issued (stays 0 on every rank but 0)
+        self.snapshot: WeightSnapshot | None = None
+        self.pusher: BackgroundPush | None = None
+        if self.mode == "overlap" and dist.is_main:
+            self.snapshot = WeightSnapshot()
+            self.pusher = BackgroundPush(lambda tensors, step, ver: self._push_all(lambda: tensors, step, ver),
+                                         deadline_s=len(self.servers) * (self.timeout_s + ABORT_GRACE_S),
+                                         progress=progress, servers=self.servers)
 
     def due(self, step: int) -> bool:
         """First boundary of this process, then every ``sync_every_steps`` (same answer on every rank)."""
         return self.last_sync_step is None or step - self.last_sync_step >= self.every
+
+    def boundary(self, model: torch.nn.Module, step: int, ver: int) -> SyncResult | None:
+        """What the learner calls at the boundary before optimizer step ``step``; None when nothing happened.
+
+        blocking: :meth:`run` when due. overlap: the start-up sync is :meth:`run`; then
+        :meth:`_overlap_boundary` at every boundary (its broadcast runs every step, on every rank).
+        """
+        if self.mode == "overlap" and self.last_sync_step is not None:
+            return self._overlap_boundary(model, step, ver, start=True, wait_s=None)
+        return self.run(model, step, ver) if self.due(step) else None
+
+    def settle(self, model: torch.nn.Module, step: int, ver: int, why: str) -> SyncResult | None:
+        """overlap: wait for the push in flight (its deadline, within the collective one) and adopt its
+        outcome on every rank; starts nothing. Collective: every rank calls it at the same point."""
+        if self.mode != "overlap" or self.last_sync_step is None:
+            return None
+        wait_s = 0.0
+        if self.pusher is not None and self.pusher.busy:
+            wait_s = min(self.pusher.remaining_s(), 0.9 * self.dist.timeout_s)
+            log.info("%s at step %d: waiting up to %.0fs for the weight push in flight, so the saved ver is the "
+                     "server's", why, step, wait_s)
+        result = self._overlap_boundary(model, step, ver, start=False, wait_s=wait_s)
+        if self.dist.is_main and result.metrics.get("sync/in_flight"):
+            log.warning("%s at step %d: the weight push in flight did not finish within %.0fs; saving ver %d (the "
+                        "server may reach ver %d when it commits; the next sync converges)", why, step, wait_s, ver,
+                        ver + 1)
+        return result
+
+    def before_weights_change(self) -> None:
+        """Call before the optimizer step: on a GPU the training stream waits for the snapshot copy."""
+        if self.snapshot is not None:
+            self.snapshot.guard_writes()
+
+    def close(self) -> None:
+        """Wait for a push in flight up to its deadline, then close the clients (no collective: runs on error paths)."""
+        if self.pusher is not None and not self.pusher.close(self.pusher.remaining_s()):
+            return  # the thread still uses the clients; the process exit ends them
+        for client in self._clients.values():
+            # HTTP connections only: an NCCL sender's group is left to the process exit, as before this close
+            # existed (aborting a communicator at shutdown is not exercised on GPUs).
+            with contextlib.suppress(Exception):
+                getattr(client, "client", client).close()
+        self._clients.clear()
 
     def _client(self, base_url: str) -> Any:
         if base_url not in self._clients:
@@ -109,29 +185,64 @@ class WeightSync:
         return self._clients[base_url]
 
     def run(self, model: torch.nn.Module, step: int, ver: int) -> SyncResult:
-        """One sync at the boundary before optimizer step ``step``; returns the ver every rank adopts."""
+        """One blocking sync at the boundary before optimizer step ``step``; returns the ver every rank adopts."""
         self.last_sync_step = step
         self.counts["sync/attempts"] += 1
         t0 = time.monotonic()
         self.dist.barrier(f"weight-sync barrier before rank 0's push (step {step})")
         new_ver, ok, metrics = ver, 0, {}
         if self.dist.is_main:
-            new_ver, ok, metrics = self._push_all(model, step, ver)
+            self.client_calls += len(self.servers)
+            new_ver, ok, metrics = self._push_all(lambda: named_weights(model), step, ver)
         self.dist.barrier(f"weight-sync barrier after rank 0's push (step {step}; rank 0 talks to {self.servers})")
         new_ver, ok = self.dist.broadcast([new_ver, ok], f"ver broadcast after the weight sync (step {step})")
         self.counts["sync/successes" if ok else "sync/failures"] += 1
         metrics["time/sync_total"] = time.monotonic() - t0
         return SyncResult(ok=bool(ok), ver=new_ver, metrics=metrics)
 
-    def _push_all(self, model: torch.nn.Module, step: int, ver: int) -> tuple[int, int, dict[str, float]]:
+    def _overlap_boundary(self, model: torch.nn.Module, step: int, ver: int, *, start: bool,
+                          wait_s: float | None) -> SyncResult:
+        """The overlap protocol at one boundary (module docstring); every rank, every step."""
+        metrics: dict[str, float] = {}
+        new_ver, outcome, started, deferred, in_flight = ver, 0, 0, 0, 0
+        if self.dist.is_main:
+            done = self.pusher.wait(wait_s) if wait_s is not None else self.pusher.poll()
+            if done is not None:
+                outcome = 1 if done.ok else 2
+                new_ver = done.ver if done.ok else ver
+                metrics.update(done.metrics)
+                metrics["sync/steps_during_push"] = done.steps_during
+            if start and self.due(step):
+                if self.pusher.busy:
+                    deferred = 1
+                else:
+                    t0 = time.monotonic()
+                    tensors = self.snapshot.take(list(named_weights(model)))
+                    self.pusher.start(tensors, step, new_ver, self.snapshot.reading)
+                    self.client_calls += len(self.servers)
+                    metrics["time/sync_snapshot"] = time.monotonic() - t0
+                    started = 1
+            in_flight = int(self.pusher.busy)
+        new_ver, outcome, started, deferred, in_flight = self.dist.broadcast(
+            [new_ver, outcome, started, deferred, in_flight], f"overlap weight-sync state broadcast (step {step})")
+        if started:
+            self.last_sync_step = step
+            self.counts["sync/attempts"] += 1
+        self.counts["sync/deferred"] += deferred
+        if outcome:
+            self.counts["sync/successes" if outcome == 1 else "sync/failures"] += 1
+        metrics.update({"sync/in_flight": in_flight, "sync/started": started})
+        return SyncResult(ok=outcome == 1, ver=new_ver, metrics=metrics, finished=bool(outcome))
+
+    def _push_all(self, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], step: int,
+                  ver: int) -> tuple[int, int, dict[str, float]]:
         metrics = {"time/sync_fence": 0.0, "time/sync_wire": 0.0, "time/sync_commit": 0.0}
         vers: list[int] = []
         floor = ver + 1  # ver continues from max(server ver, learner/checkpoint ver) + 1; servers converge
         for url in self.servers:
-            self.client_calls += 1
             t_push = time.monotonic()
             try:
-                report = self._client(url).push(named_weights(model), bucket_bytes=self.bucket_bytes, fence=self.fence,
+                report = self._client(url).push(tensors(), bucket_bytes=self.bucket_bytes, fence=self.fence,
                                                 min_ver=floor)
             except Exception as exc:  # noqa: BLE001 - any failure of the sync keeps training alive (module docstring)
                 stale = self._clients.pop(url, None)  # a fresh client (and connection) next time

@@ -107,6 +107,18 @@ def test_step_mode_under_world_size_two_points_to_async():
     assert "mode: async" in msg
 
 
+@pytest.mark.parametrize("mode", ["step", "micro"])
+def test_overlap_sync_in_a_one_process_mode_is_refused_with_the_fix(mode):
+    msg = one_problem(BASE + [f"stage2_ab.channel_b.mode={mode}", "stage2_ab.channel_b.async.sync_mode=overlap"],
+                      "stage2_ab.channel_b.async.sync_mode")
+    assert "sync_mode: blocking" in msg and "mode: async" in msg
+
+
+def test_overlap_sync_in_async_mode_loads():
+    cfg = load_config(None, BASE + ["stage2_ab.channel_b.async.sync_mode=overlap"], world_size=2)
+    assert cfg.stage2_ab.channel_b.async_.sync_mode == "overlap"
+
+
 def test_pipeline_without_server_rollouts_fails():
     msg = one_problem(
         BASE + ["stage2_ab.channel_b.mode=step", "stage2_ab.channel_b.enable_pipeline=true",

@@ -10,11 +10,15 @@
   ``python learner/main.py`` for W = 1).
 - :class:`FakeActor`: a test peer for one learner rank — a real PUSH socket and credits SUB socket,
   sending packs of real encoded segments when its ``policy(credits)`` says so.
+- :class:`SyncProxy`: a test peer between learner rank 0 and the rollout server (a slow link): forwards
+  every request, records the sync sessions, can hold a push until the learner has trained on.
 - readers for ``metrics.jsonl`` and the per-rank ``trace_rank<r>.jsonl`` files (merged here).
 """
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import json
 import os
 import shutil
@@ -26,9 +30,10 @@ import time
 import urllib.request
 import zlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -247,3 +252,111 @@ def keep_at_target(credits: Any, sent: int) -> list[int]:
     """Send fresh packs (the rank's ver) until queued + in transit reaches the credits' target."""
     in_transit = max(0, sent - credits.received_total)
     return [credits.ver_current] * max(0, credits.target - credits.depth - in_transit)
+
+
+@dataclass
+class ProxiedSession:
+    """One sync session as the proxy saw it (times: time.monotonic(); ``progress``: the learner's at that moment)."""
+
+    client: str
+    opened_at: float
+    progress_at_begin: int = -1
+    ver_before: int | None = None
+    closed_at: float | None = None
+    outcome: str = "open"  # committed | aborted | failed (an error status on the way)
+    ver: int | None = None
+    progress_at_commit: int = -1
+    held: bool = False  # its first /sync/bucket was seen (and held when the proxy holds)
+
+
+class SyncProxy(threading.Thread):
+    """A slow link in front of a rollout server: every request is forwarded; a test peer, never shipped.
+
+    Binds 127.0.0.1 on a free port (``url``); one thread per connection (keep-alive, as httpx uses it).
+    ``hold_first_bucket``: the first ``/sync/bucket`` of each session waits until ``progress()`` (e.g. the
+    learner's metrics records) moved past its value at ``/sync/begin``, or ``hold_max_s`` passed — a push
+    that only completes once the learner trained on (a blocking learner would sit out the whole hold).
+    When the server is gone, requests get a 502 with a JSON ``message`` (the client reports a failed sync).
+    Every request's path is counted in ``paths``; sync sessions are recorded in ``sessions``.
+    """
+
+    def __init__(self, upstream: str, progress: Callable[[], int] = lambda: 0, *, hold_first_bucket: bool = False,
+                 hold_max_s: float = 3.0) -> None:
+        super().__init__(name="sync-proxy", daemon=True)
+        up = urlsplit(upstream)
+        self.upstream = (up.hostname, up.port)
+        self.progress, self.hold_first_bucket, self.hold_max_s = progress, hold_first_bucket, hold_max_s
+        self.sessions: list[ProxiedSession] = []
+        self.paths: dict[str, int] = {}
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                proxy._handle(self)
+
+            def do_POST(self) -> None:
+                proxy._handle(self)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def run(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.1)
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        path = h.path.split("?")[0]
+        with self.lock:
+            self.paths[path] = self.paths.get(path, 0) + 1
+            session = self.sessions[-1] if self.sessions else None
+            if path == "/sync/init":
+                session = ProxiedSession(client=json.loads(body).get("client", ""), opened_at=time.monotonic())
+                self.sessions.append(session)
+            first_bucket = path == "/sync/bucket" and session is not None and not session.held
+            if first_bucket:
+                session.held = True
+        if first_bucket and self.hold_first_bucket:
+            end = time.monotonic() + self.hold_max_s
+            while self.progress() <= session.progress_at_begin and time.monotonic() < end:
+                time.sleep(0.02)
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("host", "connection", "content-length")}
+        try:
+            conn = http.client.HTTPConnection(*self.upstream, timeout=120)
+            conn.request(h.command, h.path, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            status, data, ctype = resp.status, resp.read(), resp.getheader("Content-Type", "application/json")
+            conn.close()
+        except OSError as exc:
+            status, ctype = 502, "application/json"
+            data = json.dumps({"message": f"rollout server behind the test proxy unreachable: {exc}"}).encode()
+        self._record(path, status, data, session)
+        h.send_response(status)
+        h.send_header("Content-Type", ctype)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _record(self, path: str, status: int, data: bytes, session: ProxiedSession | None) -> None:
+        if session is None or not path.startswith("/sync/") or session.closed_at is not None:
+            return
+        now = time.monotonic()
+        if status != 200:
+            session.outcome, session.closed_at = "failed", now
+        elif path == "/sync/begin":
+            session.progress_at_begin, session.ver_before = self.progress(), json.loads(data).get("ver_before")
+        elif path == "/sync/commit":
+            session.outcome, session.closed_at, session.ver = "committed", now, json.loads(data).get("ver")
+            session.progress_at_commit = self.progress()
+        elif path == "/sync/abort":
+            session.outcome, session.closed_at = "aborted", now
