@@ -115,7 +115,11 @@ class Pack:
         if vers != {self.ver}:
             raise SegmentError(f"pack ver {self.ver} holds segments of vers {sorted(vers)}: packs are version-pure")
         offsets = np.cumsum([0] + [s.length for s in self.segments])
-        d = int(max((s.pixel_values.shape[1] for s in self.segments if s.pixel_values.size), default=0))
+        widths = {int(s.pixel_values.shape[1]) for s in self.segments if s.pixel_values.size}
+        if len(widths) > 1:
+            raise SegmentError(f"pack ver {self.ver} mixes pixel_values widths {sorted(widths)}: segments of one pack "
+                               "must come from one image processor (same patch size and channels)")
+        d = widths.pop() if widths else 0
         return {
             "input_ids": np.concatenate([s.input_ids for s in self.segments]).astype(np.int64, copy=False),
             "labels": np.concatenate([s.labels for s in self.segments]).astype(np.int64, copy=False),

@@ -209,3 +209,15 @@ def test_mean_fill_on_a_realistic_length_mix_is_at_least_85_percent():
     assert min(fills) >= 0.8
     assert np.mean(fills) >= 0.85
     assert packer.mean_fill == pytest.approx(np.mean(fills))
+
+
+def test_a_pack_mixing_pixel_widths_raises_a_segment_error_naming_the_widths():
+    import numpy as np
+
+    from common.segment import Pack, SegmentError
+
+    a = make_segment(20, ver=1, sample_id="a", n_images=1)
+    b = make_segment(20, ver=1, sample_id="b", n_images=1)
+    b.pixel_values = np.zeros((b.pixel_values.shape[0], b.pixel_values.shape[1] + 1), np.float32)
+    with pytest.raises(SegmentError, match="widths"):
+        Pack(ver=1, channel="B", segments=[a, b]).tensors()
