@@ -1,22 +1,32 @@
-"""Weight-sync throughput: learner rank 0 (GPU 1) -> vLLM rollout server (GPU 0) over NCCL, vs raw NCCL.
+"""Weight-sync throughput: learner rank 0 -> vLLM rollout server over NCCL, per load path, vs raw NCCL.
 
     python bench/bench_weight_sync.py --presets 0.5b,1.5b,7b --syncs 5 --out /tmp/bench_weight_sync.json
+    python bench/bench_weight_sync.py --presets 1.5b --tp 2 --server-gpus 0,1 --learner-gpu 2   # 4 GPUs
 
 For each preset (Qwen2.5-VL architecture, ``tools/make_tiny_model.py`` sizes):
 
 1. a model directory with the config, tokenizer and processor only (no weights: the server loads
    ``load_format=dummy`` random weights, the learner builds the same architecture on its GPU);
-2. raw NCCL in the same run on the same two GPUs: two processes (one per GPU, as the server and the
-   learner are) ``torch.distributed.broadcast`` the same number of bytes, once as one buffer and once
-   cut into the sync's packed chunks back to back;
-3. the vLLM server (``python -m rollout_server``, ``configs/gpu/split_1p1.yaml``) on GPU 0, and a
-   learner process on GPU 1 that pushes its weights ``--syncs`` times with ``NcclWeightSender``
-   (the first push also builds the group and is reported apart).
+2. raw NCCL in the same run on the same GPUs: one process per GPU (rank 0 on the learner's GPU, one
+   receiver per server GPU, world size 1 + len(server GPUs), as in a sync) ``torch.distributed.broadcast``
+   the same number of bytes, once as one buffer and once cut into the sync's packed chunks back to back;
+3. ONE vLLM server (``python -m rollout_server``, ``configs/gpu/split_1p1.yaml`` with the GPU / TP
+   overrides) and a learner process that pushes its weights with ``NcclWeightSender``, the load path
+   (``--weight-load``: ``fast`` = the server's persistent buffers + copy plan, ``native`` = vLLM's
+   ``update_weights``) chosen per push: one warm-up push per path first (the first also builds the
+   group, the first ``fast`` one records the copy plan), then ``--syncs`` timed pushes per path,
+   alternating path by path (fast, native, fast, native, ...) so both are measured on the same server;
+4. with both paths: the correctness check through ``GET /sync/digest`` (an exact digest of every served
+   weight, one per server worker): perturb every weight, push ``fast``, digest, push the SAME weights
+   ``native``, digest (equal: fast left nothing stale that native loads), perturb again, push
+   ``native``, digest, push the same weights ``fast``, digest (equal), and the digests before and after
+   a perturbation must differ (so "equal" means something). A mismatch is printed loudly and the
+   exit code is 2.
 
 Per sync: fence (``/sync/begin``), wire (the one ``/sync/update`` while rank 0 broadcasts, until
-every chunk is loaded), commit (``finish_weight_update`` + cache resets + ver), total = the
-learner's stall in blocking mode; effective GB/s = bytes / wire. Results: one JSON object per preset
-in ``--out`` and a markdown table on stdout (docs/benchmarks.md).
+every chunk is loaded), commit (cache resets + ver), total = the learner's stall in blocking mode;
+effective GB/s = bytes / wire. Results: one JSON object per preset in ``--out`` and a markdown table
+on stdout, one row per preset and load path (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,17 +34,212 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 PYPATH = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # keep what vLLM was installed under
+
+LOAD_PATHS = ("fast", "native")
+PHASES = ("fence_s", "wire_s", "commit_s", "total_s", "server_update_s")
+# Server log lines kept in the result: one per update (which path ran, its own timing) and a refusal.
+LOG_MARKERS = ("fast update:", "nccl update:", "fast weight load refused")
+
+
+# ------------------------------------------------------------------------------------ pure helpers
+
+
+def parse_modes(text: str) -> list[str]:
+    """``fast,native`` -> ['fast', 'native']; unknown or repeated names are an error."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in LOAD_PATHS]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise ValueError(f"--weight-load {text!r}: a comma list of distinct {'|'.join(LOAD_PATHS)}")
+    return modes
+
+
+def parse_gpus(text: str) -> list[int]:
+    """``0,1`` -> [0, 1]."""
+    gpus = [int(g) for g in str(text).split(",") if g.strip()]
+    if not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0:
+        raise ValueError(f"GPU list {text!r}: distinct non-negative ids, e.g. 0,1")
+    return gpus
+
+
+def check_topology(server_gpus: list[int], tp: int, learner_gpu: int) -> None:
+    if tp < 1 or len(server_gpus) % tp:
+        raise ValueError(f"--tp {tp} must divide the number of --server-gpus {server_gpus}")
+    if learner_gpu in server_gpus:
+        raise ValueError(f"--learner-gpu {learner_gpu} is one of --server-gpus {server_gpus}")
+
+
+def sync_order(modes: list[str], syncs: int) -> list[tuple[str, bool]]:
+    """(mode, warm-up) per push: one warm-up per mode, then ``syncs`` rounds alternating the modes."""
+    return [(m, True) for m in modes] + [(m, False) for _ in range(syncs) for m in modes]
+
+
+def server_overrides(model_dir: str | Path, port: int, gpu_mem: float, server_gpus: list[int], tp: int,
+                     learner_gpu: int) -> list[str]:
+    """Dotted overrides of configs/gpu/split_1p1.yaml for the bench server (OmegaConf list syntax)."""
+    return [f"model.path={model_dir}", f"rollout_server.port={port}", "rollout_server.load_format=dummy",
+            f"rollout_server.gpu_memory_utilization={gpu_mem}",
+            f"rollout_server.gpus=[{','.join(str(g) for g in server_gpus)}]",
+            f"rollout_server.tensor_parallel_size={tp}", f"learner.gpus=[{learner_gpu}]"]
+
+
+def raw_ranks(learner_gpu: int, server_gpus: list[int]) -> list[tuple[int, int]]:
+    """(rank, physical GPU) of the raw broadcast: rank 0 on the learner's GPU, then one per server GPU."""
+    return [(0, learner_gpu)] + [(k + 1, g) for k, g in enumerate(server_gpus)]
+
+
+def raw_summary(res: dict[str, list[float]], nbytes: int) -> dict:
+    return {k: {"median_s": statistics.median(v), "best_s": min(v), "gb_s": nbytes / statistics.median(v) / 1e9}
+            for k, v in res.items()}
+
+
+def mode_stats(records: list[dict], nbytes: int, raw: dict | None) -> dict[str, dict]:
+    """Per load path: medians of the timed pushes (warm-ups apart), GB/s over the wire, share of raw."""
+    out: dict[str, dict] = {}
+    for mode in dict.fromkeys(r["mode"] for r in records):
+        mine = [r for r in records if r["mode"] == mode]
+        timed = [r for r in mine if not r["warmup"]]
+        if not timed:
+            continue
+        med = {k: statistics.median(r[k] for r in timed) for k in PHASES if all(r.get(k) is not None for r in timed)}
+        s: dict = {"n": len(timed), "median": med, "warmup": next((r for r in mine if r["warmup"]), None),
+                   "sync_gb_s": nbytes / med["wire_s"] / 1e9}
+        if raw:
+            s["vs_raw_single"] = s["sync_gb_s"] / raw["single_s"]["gb_s"]
+            s["vs_raw_chunked"] = s["sync_gb_s"] / raw["chunked_s"]["gb_s"]
+        out[mode] = s
+    return out
+
+
+def server_log_lines(text: str) -> list[str]:
+    return [line.split("vllm: ", 1)[-1] for line in text.splitlines() if any(m in line for m in LOG_MARKERS)]
+
+
+def log_counts(lines: list[str]) -> dict[str, int]:
+    return {"fast": sum("fast update:" in x for x in lines), "native": sum("nccl update:" in x for x in lines),
+            "fast_refused": sum("fast weight load refused" in x for x in lines)}
+
+
+def count_fast_pushes(records: list[dict], digest: dict | None) -> int:
+    """Pushes that asked for the fast path: the timed/warm-up ones and those of the digest check."""
+    return (sum(r["mode"] == "fast" for r in records)
+            + sum(s["mode"] == "fast" for s in (digest or {}).get("steps", [])))
+
+
+def fast_effective(counts: dict[str, int], fast_pushes: int) -> bool:
+    """Every fast push logged a "fast update:" line and the server never refused the fast path."""
+    return counts["fast"] >= fast_pushes and not counts["fast_refused"]
+
+
+def digest_check(push: Callable[[str], dict], perturb: Callable[[], None], digest: Callable[[], dict]) -> dict:
+    """Pairs of pushes of the SAME weights through both paths must leave equal served digests.
+
+    perturb (all weights) -> fast -> digest A -> native (same weights) -> digest B: A == B means the fast
+    path loaded everything native loads (a tensor it skipped would still hold the previous weights in A);
+    perturb -> native -> digest C -> fast (same weights) -> digest D: C == D means fast wrote nothing wrong
+    on top of a native load. B != C: a weight change changes the digest (on every worker).
+    """
+    steps = []
+
+    def step(mode: str) -> list[str]:
+        r = push(mode)
+        d = digest()
+        if d.get("ver") != r["ver"]:
+            raise RuntimeError(f"/sync/digest reports ver {d.get('ver')} after the {mode} push committed "
+                               f"ver {r['ver']}")
+        steps.append({"mode": mode, "ver": r["ver"], "digests": d["digests"]})
+        return list(d["digests"])
+
+    perturb()
+    a = step("fast")
+    b = step("native")
+    perturb()
+    c = step("native")
+    d = step("fast")
+    res = {"steps": steps,
+           "fast_then_native_equal": a == b,
+           "native_then_fast_equal": c == d,
+           "changes_with_weights": b != c,
+           "changes_on_every_worker": len(b) == len(c) and all(x != y for x, y in zip(b, c))}
+    res["digest_equal"] = res["fast_then_native_equal"] and res["native_then_fast_equal"]
+    res["ok"] = res["digest_equal"] and res["changes_on_every_worker"]
+    return res
+
+
+def run_pushes(push: Callable[[str], dict], perturb: Callable[[], None], digest: Callable[[], dict] | None,
+               modes: list[str], syncs: int) -> dict:
+    """The learner's whole sequence: warm-ups and timed pushes (sync_order), then the digest check."""
+    records = []
+    for k, (mode, warm) in enumerate(sync_order(modes, syncs)):
+        perturb()  # a "step": the weights change between pushes
+        r = push(mode)
+        records.append({**r, "mode": mode, "warmup": warm, "first": k == 0})
+    out: dict = {"records": records, "digest": None}
+    if digest is not None and set(LOAD_PATHS) <= set(modes):
+        try:
+            out["digest"] = digest_check(push, perturb, digest)
+        except Exception as exc:  # noqa: BLE001 - reported (and fails the run) by the orchestrator
+            out["digest"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def digest_verdict(d: dict | None) -> str:
+    if d is None:
+        return "n/a"
+    if "error" in d:
+        return "ERROR"
+    if not d["digest_equal"]:
+        return "MISMATCH"
+    return "equal" if d["changes_on_every_worker"] else "equal, NOT CHANGED by a weight change"
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| model | TP | GB | chunks | load | fence s | wire s | commit s | stall s (total) | server update s "
+            "| sync GB/s | raw GB/s (1 buffer / chunked) | sync / raw (1 buffer / chunked) | warm-up push s | digest |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        raw = r.get("raw")
+        raw_txt = f"{raw['single_s']['gb_s']:.1f} / {raw['chunked_s']['gb_s']:.1f}" if raw else "-"
+        for mode, s in r["modes"].items():
+            m = s["median"]
+            share = (f"{100 * s['vs_raw_single']:.0f}% / {100 * s['vs_raw_chunked']:.0f}%" if "vs_raw_single" in s
+                     else "-")
+            label = mode if not (mode == "fast" and r.get("fast_effective") is False) else "fast (REFUSED: native ran)"
+            warm = s["warmup"]["total_s"] if s.get("warmup") else float("nan")
+            rows.append(f"| {r['preset']} | {r.get('tp', 1)} | {r['bytes'] / 1e9:.2f} | {r['chunks']} | {label} | "
+                        f"{m['fence_s']:.3f} | {m['wire_s']:.3f} | {m['commit_s']:.3f} | {m['total_s']:.3f} | "
+                        f"{m.get('server_update_s', float('nan')):.3f} | {s['sync_gb_s']:.1f} | {raw_txt} | {share} | "
+                        f"{warm:.2f} | {digest_verdict(r.get('digest'))} |")
+    return "\n".join(rows)
+
+
+def run_ok(result: dict, modes: list[str]) -> list[str]:
+    """Problems that make the exit code non-zero (empty list: fine)."""
+    problems = []
+    d = result.get("digest")
+    if set(LOAD_PATHS) <= set(modes):
+        if d is None:
+            problems.append("no digest check ran")
+        elif not d.get("ok"):
+            problems.append(f"digest check failed: {digest_verdict(d)} {d.get('error', '')}".rstrip())
+    if result.get("fast_effective") is False:
+        problems.append("the fast path was refused or never logged: the 'fast' rows measured native")
+    return problems
+
+
+# ------------------------------------------------------------------------------------ setup
 
 
 def build_config_dir(preset: str, root: Path) -> Path:
@@ -58,15 +263,15 @@ def build_config_dir(preset: str, root: Path) -> Path:
 # ------------------------------------------------------------------------------------ raw NCCL
 
 
-def raw_peer(rank: int, port: int, nbytes: int, chunks: list[int], reps: int, out: str) -> None:
-    """One of two ranks; rank 0 (learner's GPU) sends. Times a single buffer and the chunked stream."""
+def raw_peer(rank: int, port: int, nbytes: int, chunks: list[int], reps: int, out: str, world: int = 2) -> None:
+    """One of ``world`` ranks; rank 0 (learner's GPU) sends. Times a single buffer and the chunked stream."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", 0))
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     views, pos = [], 0
@@ -89,35 +294,57 @@ def raw_peer(rank: int, port: int, nbytes: int, chunks: list[int], reps: int, ou
     dist.destroy_process_group()
 
 
-def run_raw(nbytes: int, chunks: list[int], reps: int, tmp: Path) -> dict:
+def run_raw(nbytes: int, chunks: list[int], reps: int, tmp: Path, learner_gpu: int = 1,
+            server_gpus: list[int] | None = None) -> dict:
     from tests.ports import free_port_block
 
+    ranks = raw_ranks(learner_gpu, server_gpus if server_gpus is not None else [0])
     port = free_port_block(1)
     out = tmp / "raw.json"
     procs = []
-    for rank, gpu in ((0, "1"), (1, "0")):  # rank 0 on the learner's GPU, as in a sync
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONPATH": PYPATH}
+    for rank, gpu in ranks:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "PYTHONPATH": PYPATH}
         code = (f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_weight_sync as b; "
-                f"b.raw_peer({rank}, {port}, {nbytes}, {chunks!r}, {reps}, {str(out)!r})")
+                f"b.raw_peer({rank}, {port}, {nbytes}, {chunks!r}, {reps}, {str(out)!r}, {len(ranks)})")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
-    for p in procs:
-        if p.wait(timeout=300) != 0:
-            raise RuntimeError(f"raw broadcast rank exited with {p.returncode}")
-    res = json.loads(out.read_text())
-    return {k: {"median_s": statistics.median(v), "best_s": min(v),
-                "gb_s": nbytes / statistics.median(v) / 1e9} for k, v in res.items()}
+    try:
+        for p in procs:
+            if p.wait(timeout=300) != 0:
+                raise RuntimeError(f"raw broadcast rank exited with {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return raw_summary(json.loads(out.read_text()), nbytes)
 
 
 # ------------------------------------------------------------------------------------ learner side
 
 
-def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str) -> None:
-    """Builds the architecture on this process's GPU and pushes it ``syncs`` + 1 times."""
+def fetch_digest(url: str, timeout_s: float = 120.0, auth_token: str | None = None) -> dict:
+    """``GET /sync/digest`` (retried while a session is still open: 409)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(url + "/sync/digest", headers=headers, timeout=timeout_s)
+        if r.status_code == 409 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            continue
+        if r.status_code != 200:
+            raise RuntimeError(f"GET /sync/digest -> {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+
+def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str, modes: list[str] | None = None) -> None:
+    """Builds the architecture on this process's GPU; pushes it per ``run_pushes`` (warm-ups, timed, digest)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from learner.nccl_sync import NcclWeightSender
 
+    modes = modes or ["native"]
     torch.cuda.set_device(0)
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -127,17 +354,25 @@ def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str) -> N
         for p in model.parameters():
             p.normal_(0.0, 0.02)
     sender = NcclWeightSender(url, timeout_s=300)
-    records = []
-    for k in range(syncs + 1):
-        with torch.no_grad():  # a "step": the weights change between pushes
-            next(model.parameters()).add_(1e-3)
+    bump = [0]
+
+    def perturb() -> None:  # every weight changes (bf16 step near 0.02 is ~1e-4): an exact digest must notice
+        bump[0] += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1e-3 if bump[0] % 2 else -2e-3)
         torch.cuda.synchronize()
-        r = sender.push(model.named_parameters(), bucket_bytes=bucket_mb << 20, fence="drain")
-        records.append({"first": k == 0, "ver": r.ver, "fence_s": r.fence_s, "wire_s": r.wire_s,
-                        "commit_s": r.commit_s, "total_s": r.total_s, "bytes": r.bytes, "chunks": r.n_buckets,
-                        "server_update_s": r.server_update_s})
-    Path(out).write_text(json.dumps(records))
-    sender.close()
+
+    def push(mode: str) -> dict:
+        r = sender.push(model.named_parameters(), bucket_bytes=bucket_mb << 20, fence="drain", weight_load=mode)
+        return {"ver": r.ver, "fence_s": r.fence_s, "wire_s": r.wire_s, "commit_s": r.commit_s, "total_s": r.total_s,
+                "bytes": r.bytes, "chunks": r.n_buckets, "server_update_s": r.server_update_s}
+
+    try:
+        res = run_pushes(push, perturb, lambda: fetch_digest(url), modes, syncs)
+    finally:
+        sender.close()
+    Path(out).write_text(json.dumps(res))
 
 
 # ------------------------------------------------------------------------------------ orchestration
@@ -160,12 +395,15 @@ def wait_health(url: str, proc: subprocess.Popen, deadline_s: float, log: Path) 
 
 
 def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    import httpx
     import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from rollout_server import weights as W
     from tests.ports import free_port_block
 
+    modes, server_gpus, tp, learner_gpu = args.modes, args.server_gpu_list, args.tp, args.learner_gpu
+    tag = f"{preset} tp{tp}"
     model_dir = build_config_dir(preset, Path(args.models))
     with torch.device("meta"):
         meta = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
@@ -173,83 +411,113 @@ def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
     sizes = [(e - b) for b, e in W.packed_offsets([(s.dtype, s.shape) for s in spec])]
     chunks = [sum(sizes[i] for i in idx) for idx in W.packed_chunks(sizes, args.bucket_mb << 20)]
     nbytes = sum(sizes)
-    result: dict = {"preset": preset, "params": sum(n // 2 for n in sizes), "bytes": nbytes, "tensors": len(sizes),
+    result: dict = {"preset": preset, "tp": tp, "server_gpus": server_gpus, "learner_gpu": learner_gpu,
+                    "weight_load": modes, "params": sum(n // 2 for n in sizes), "bytes": nbytes, "tensors": len(sizes),
                     "bucket_mb": args.bucket_mb, "chunks": len(chunks)}
-    print(f"[{preset}] {nbytes / 1e9:.2f} GB in {len(sizes)} tensors, {len(chunks)} chunks", flush=True)
-    result["raw"] = run_raw(nbytes, chunks, args.reps, tmp)
-    print(f"[{preset}] raw: {json.dumps(result['raw'])}", flush=True)
+    print(f"[{tag}] {nbytes / 1e9:.2f} GB in {len(sizes)} tensors, {len(chunks)} chunks; server GPUs {server_gpus} "
+          f"(TP {tp}), learner GPU {learner_gpu}; load paths {modes}", flush=True)
+    result["raw"] = run_raw(nbytes, chunks, args.reps, tmp, learner_gpu, server_gpus) if args.reps > 0 else None
+    print(f"[{tag}] raw (world {1 + len(server_gpus)}): {json.dumps(result['raw'])}", flush=True)
 
     port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
-    log = tmp / f"server-{preset}.log"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": PYPATH}
+    log = tmp / f"server-{preset}-tp{tp}.log"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in server_gpus), "PYTHONPATH": PYPATH}
     cmd = [sys.executable, "-m", "rollout_server", "--config", str(REPO / "configs/gpu/split_1p1.yaml"),
-           f"model.path={model_dir}", f"rollout_server.port={port}", "rollout_server.load_format=dummy",
-           f"rollout_server.gpu_memory_utilization={args.gpu_mem}"]
+           *server_overrides(model_dir, port, args.gpu_mem, server_gpus, tp, learner_gpu)]
+    print(f"[{tag}] server: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {' '.join(cmd[1:])}", flush=True)
     with open(log, "w") as fh:
         server = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
     try:
         result["server_start_s"] = wait_health(url, server, 400, log)
         out = tmp / f"learner-{preset}.json"
-        lenv = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "PYTHONPATH": PYPATH}
+        lenv = {**os.environ, "CUDA_VISIBLE_DEVICES": str(learner_gpu), "PYTHONPATH": PYPATH}
         code = (f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_weight_sync as b; "
-                f"b.learner({url!r}, {str(model_dir)!r}, {args.syncs}, {args.bucket_mb}, {str(out)!r})")
+                f"b.learner({url!r}, {str(model_dir)!r}, {args.syncs}, {args.bucket_mb}, {str(out)!r}, {modes!r})")
         subprocess.run([sys.executable, "-c", code], env=lenv, cwd=REPO, check=True, timeout=600)
-        records = json.loads(out.read_text())
+        pushed = json.loads(out.read_text())
+        try:
+            result["health"] = httpx.get(url + "/health", timeout=5).json()
+        except Exception as exc:  # noqa: BLE001 - informational only
+            result["health"] = {"error": str(exc)}
     finally:
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    steady = [r for r in records if not r["first"]] or records
-    med = {k: statistics.median(r[k] for r in steady) for k in ("fence_s", "wire_s", "commit_s", "total_s",
-                                                                "server_update_s")}
-    result["server_log"] = [line.split("vllm: ", 1)[-1] for line in log.read_text().splitlines() if "nccl update:" in line]
-    print("\n".join(f"[{preset}] server: {line}" for line in result["server_log"]), flush=True)
-    result.update(first=records[0], syncs=steady, median=med, vers=[r["ver"] for r in records],
-                  sync_gb_s=nbytes / med["wire_s"] / 1e9)
-    result["vs_raw_single"] = result["sync_gb_s"] / result["raw"]["single_s"]["gb_s"]
-    result["vs_raw_chunked"] = result["sync_gb_s"] / result["raw"]["chunked_s"]["gb_s"]
-    print(f"[{preset}] sync median: {json.dumps(med)}; {result['sync_gb_s']:.1f} GB/s = "
-          f"{100 * result['vs_raw_single']:.0f}% of raw single, {100 * result['vs_raw_chunked']:.0f}% of raw chunked",
-          flush=True)
+        if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, Path(args.log_dir) / log.name)
+    records = pushed["records"]
+    result["server_log"] = server_log_lines(log.read_text())
+    counts = log_counts(result["server_log"])
+    fast_pushes = count_fast_pushes(records, pushed.get("digest"))
+    result["server_log_counts"] = counts
+    refused_in_health = "refused" in json.dumps(result.get("health", {}).get("engine_info", {}))
+    result["fast_effective"] = ((fast_effective(counts, fast_pushes) and not refused_in_health) if "fast" in modes
+                                else None)
+    print("\n".join(f"[{tag}] server: {line}" for line in result["server_log"]), flush=True)
+    result["modes"] = mode_stats(records, nbytes, result["raw"])
+    result.update(records=records, vers=[r["ver"] for r in records], digest=pushed.get("digest"))
+    for mode, s in result["modes"].items():
+        share = (f" = {100 * s['vs_raw_single']:.0f}% of raw single, {100 * s['vs_raw_chunked']:.0f}% of raw chunked"
+                 if "vs_raw_single" in s else "")
+        print(f"[{tag}] {mode}: median of {s['n']}: {json.dumps(s['median'])}; {s['sync_gb_s']:.1f} GB/s{share}",
+              flush=True)
+    if result["fast_effective"] is False:
+        print(f"[{tag}] !!! FAST PATH NOT EFFECTIVE: {counts} server update lines for {fast_pushes} fast pushes, "
+              f"health {result.get('health', {}).get('engine_info')}: the 'fast' figures are native ones", flush=True)
+    d = result["digest"]
+    if d is not None:
+        verdict = digest_verdict(d)
+        loud = "" if d.get("ok") else "!!! DIGEST CHECK FAILED: "
+        print(f"[{tag}] {loud}digest: {verdict}; " + json.dumps({k: v for k, v in d.items() if k != "steps"}),
+              flush=True)
+        for s in d.get("steps", []):
+            print(f"[{tag}]   digest after {s['mode']:6s} push ver {s['ver']}: {s['digests']}", flush=True)
     return result
-
-
-def table(results: list[dict]) -> str:
-    rows = ["| model | GB | chunks | fence s | wire s | commit s | stall s (total) | sync GB/s | raw GB/s (1 buffer / chunked) "
-            "| sync / raw | first push s (group setup) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        m = r["median"]
-        rows.append(f"| {r['preset']} | {r['bytes'] / 1e9:.2f} | {r['chunks']} | {m['fence_s']:.3f} | {m['wire_s']:.3f} | "
-                    f"{m['commit_s']:.3f} | {m['total_s']:.3f} | {r['sync_gb_s']:.1f} | "
-                    f"{r['raw']['single_s']['gb_s']:.1f} / {r['raw']['chunked_s']['gb_s']:.1f} | "
-                    f"{100 * r['vs_raw_single']:.0f}% / {100 * r['vs_raw_chunked']:.0f}% | {r['first']['total_s']:.2f} |")
-    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="0.5b,1.5b,7b")
-    ap.add_argument("--syncs", type=int, default=5, help="timed syncs per preset (after one that builds the group)")
-    ap.add_argument("--reps", type=int, default=3, help="raw broadcast repetitions")
+    ap.add_argument("--weight-load", default="fast,native",
+                    help="server load paths to compare, alternated push by push on one server (fast|native)")
+    ap.add_argument("--syncs", type=int, default=5,
+                    help="timed syncs per load path (after one warm-up push per path; the first builds the group)")
+    ap.add_argument("--reps", type=int, default=3, help="raw broadcast repetitions (0: skip the raw broadcast)")
     ap.add_argument("--bucket-mb", type=int, default=512)
-    ap.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization on GPU 0")
+    ap.add_argument("--server-gpus", default="0", help="GPUs of the vLLM server, e.g. 0,1 (default: %(default)s)")
+    ap.add_argument("--tp", type=int, default=1, help="the server's tensor_parallel_size (divides len(server GPUs))")
+    ap.add_argument("--learner-gpu", type=int, default=1, help="GPU of the pushing learner (default: %(default)s)")
+    ap.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization on the server GPUs")
     ap.add_argument("--models", default="/tmp/tandem-models")
+    ap.add_argument("--log-dir", default=None, help="copy each server log here (default: not kept)")
     ap.add_argument("--out", default="bench_weight_sync.json")
     args = ap.parse_args(argv)
-    results = []
+    try:
+        args.modes = parse_modes(args.weight_load)
+        args.server_gpu_list = parse_gpus(args.server_gpus)
+        check_topology(args.server_gpu_list, args.tp, args.learner_gpu)
+    except ValueError as exc:
+        ap.error(str(exc))
+    results, problems = [], []
     with tempfile.TemporaryDirectory(prefix="bench-wsync-") as d:
         for preset in args.presets.split(","):
             try:
                 results.append(bench_preset(preset, args, Path(d)))
+                problems += [f"{preset}: {p}" for p in run_ok(results[-1], args.modes)]
             except Exception as exc:  # noqa: BLE001 - report and go on with the next size
                 print(f"[{preset}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+                problems.append(f"{preset}: {type(exc).__name__}")
             Path(args.out).write_text(json.dumps(results, indent=1))
     print(table(results))
-    return 0 if results else 1
+    for p in problems:
+        print(f"!!! {p}", flush=True)
+    if not results:
+        return 1
+    return 2 if any("digest" in p for p in problems) else (1 if problems else 0)
 
 
 if __name__ == "__main__":

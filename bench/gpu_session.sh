@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
-# One GPU session on a 2-GPU machine (nvidia-h200-x2), in two parts that each fit one 10-minute call:
+# GPU sessions, each part one call of at most 10 minutes (every step has its own deadline; a failed
+# step is logged and the part goes on with the next one).
 #
+# 2-GPU machine (nvidia-h200-x2):
 #   bash bench/gpu_session.sh A    # GPU tests (hf NCCL path, vLLM engine: prompts, greedy match,
 #                                  # fence under load) + weight-sync bench for 0.5b and 1.5b
 #   bash bench/gpu_session.sh B    # launcher: async training, >= 50 optimizer steps on the 1+1 split
 #                                  # + weight-sync bench for 7b
+#   bash bench/gpu_session.sh C    # re-run after fixes: GPU tests + 7b bench with 2 GB buckets
+#
+# 4-GPU machine (nvidia-h200-x4), ONE session, parts X1, X2, X3 as separate calls on the same warm
+# machine (each re-creates what it needs only if missing; each stays under BUDGET=540 s: a step's
+# deadline is cut to what is left of the budget, a step with < 15 s left is skipped):
+#   bash bench/gpu_session.sh X1   # setup (models 0.5b + 1.5b, data), test_gpu_vllm + test_gpu_weight_sync,
+#                                  # bench 0.5b,1.5b fast vs native, TP 1 (server GPU 0, learner GPU 1)
+#   bash bench/gpu_session.sh X2   # bench 7b fast vs native TP 1; bench 1.5b TP 2 (server GPUs 0,1, learner 2)
+#   bash bench/gpu_session.sh X3   # launcher 2+2 (configs/gpu/split_2p2.yaml, 50 steps) blocking, then the
+#                                  # same with sync_mode=overlap; run evidence + sync stall medians
+#   bash bench/gpu_session.sh X4   # optional: 2+2 blocking, then 1+1 overlap on GPUs 0/1 (60 steps) next to
+#                                  # a 1+1 blocking baseline on GPUs 2/3 (X4_BASELINE=0: no baseline)
+#
+# Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
 # Needs vLLM 0.26.0 importable (docs/gpu.md: staged under /tmp/site) and writes logs and results to
-# $OUT (default /tmp/gpu-out). Every step has its own deadline; a failed step is logged and the
-# session goes on with the next one.
+# $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
+# at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|X4|E [RUN_DIR...]}
+shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
@@ -18,11 +35,22 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # machine rule: no NVLink multicast
 LOG="$OUT/session-$PART.log"
 T0=$(date +%s)
+BUDGET=${BUDGET:-}   # seconds for the whole part (X parts: 540); empty = no cap
+MODELS=/tmp/tandem-models
+DATA=/tmp/tandem-data/synth
 
-step() {  # step NAME DEADLINE_S CMD...
-  local name=$1 limit=$2; shift 2
+step() {  # step NAME DEADLINE_S CMD...   (env: KILL_AFTER, SIGKILL this long after the deadline's SIGTERM)
+  local name=$1 limit=$2 kill_after=${KILL_AFTER:-10}; shift 2
+  if [ -n "$BUDGET" ]; then
+    local left=$(( BUDGET - ($(date +%s) - T0) - kill_after - 5 ))
+    if [ "$left" -lt 15 ]; then
+      echo "=== [$(( $(date +%s) - T0 ))s] $name SKIPPED: ${left}s left of the ${BUDGET}s budget" | tee -a "$LOG"
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== [$(( $(date +%s) - T0 ))s] $name (deadline ${limit}s): $*" | tee -a "$LOG"
-  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+  timeout --kill-after="$kill_after" "$limit" "$@" >>"${STEP_LOG:-$LOG}" 2>&1
   local rc=$?
   echo "=== [$(( $(date +%s) - T0 ))s] $name -> rc=$rc" | tee -a "$LOG"
   return 0
@@ -37,6 +65,146 @@ setup() {
     python3 tools/make_tiny_model.py --preset 0.5b --out /tmp/tandem-models/0.5b &&
     python3 -m common.synthetic --out /tmp/tandem-data/synth --n 96 --seed 0'
 }
+
+# ---------------------------------------------------------------------------------------- X parts
+
+setup_x() {  # what every X part needs; models and data only where missing (a warm machine keeps /tmp)
+  step env 45 bash -c 'nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv;
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv; nvidia-smi topo -m | head -6;
+    python3 -c "import torch, transformers, vllm; print(torch.__version__, torch.version.cuda,
+    torch.cuda.nccl.version(), transformers.__version__, vllm.__version__, torch.cuda.device_count())"'
+  mkdir -p .make && touch .make/installed
+  if [ -f artifacts/tiny-model/tandem_build.json ] && [ -f $MODELS/0.5b/tandem_build.json ] &&
+     [ -f $MODELS/1.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ]; then
+    echo "=== models and data present: $MODELS/0.5b $MODELS/1.5b $DATA artifacts/tiny-model" | tee -a "$LOG"
+  else  # the bench builds its own config-only dirs ({preset}-config-only, 7b included): no 7b weights needed
+    step models 200 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
+      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b &&
+      python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b &&
+      python3 -m common.synthetic --out $DATA --n 96 --seed 0"
+  fi
+}
+
+bundle() {  # bundle NAME PATH...: one tar.gz of what exists (log files cut to their last 3000 lines)
+  local name=$1; shift
+  local stage; stage=$(mktemp -d)
+  for p in "$@"; do
+    [ -e "$p" ] || continue
+    if [ -d "$p" ]; then
+      find "$p" -type f | while read -r f; do
+        mkdir -p "$stage/$(dirname "$f")"
+        case "$f" in
+          *.log|*.txt) tail -n 3000 "$f" > "$stage/$f" ;;
+          *.json|*.jsonl) [ "$(stat -c %s "$f")" -lt 4000000 ] && cp "$f" "$stage/$f" ;;
+        esac
+      done
+    else
+      mkdir -p "$stage/$(dirname "$p")" && tail -n 3000 "$p" > "$stage/$p"
+    fi
+  done
+  tar czf "$OUT/$name" -C "$stage" . 2>>"$LOG"
+  rm -rf "$stage"
+  echo "=== bundled $OUT/$name ($(du -h "$OUT/$name" | cut -f1))" | tee -a "$LOG"
+}
+
+evidence() {  # evidence [--json PATH] RUN_DIR...: records, steps, vers, syncs, sync stall (blocking vs overlap)
+  python3 - "$@" <<'PYEOF'
+import json, statistics, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+out_json = None
+if args[:1] == ["--json"]:
+    out_json, args = args[1], args[2:]
+
+
+def stats(vals):
+    vals = sorted(v for v in vals if isinstance(v, (int, float)))
+    if not vals:
+        return None
+    return {"n": len(vals), "median": round(statistics.median(vals), 4),
+            "p90": round(vals[min(len(vals) - 1, round(0.9 * (len(vals) - 1)))], 4), "max": round(vals[-1], 4)}
+
+
+def fmt(s):
+    return "n/a" if s is None else f"median {s['median']:.4f}s p90 {s['p90']:.4f}s max {s['max']:.4f}s (n {s['n']})"
+
+
+report = {}
+for d in args:
+    run = Path(d)
+    f = run / "metrics.jsonl"
+    if not f.is_file():
+        print(f"[{run.name}] no {f}")
+        continue
+    recs = []
+    for line in f.read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except ValueError:
+            pass  # a torn last line of a killed run
+    steps = [r for r in recs if "stage2_ab/async/step_kind_b" in r]
+    overlap = any("sync/started" in r for r in steps)
+    # blocking: the stall of a sync step is the whole push; overlap: a push starts at the boundary (snapshot)
+    sync_steps = [r for r in steps if (r.get("sync/started") == 1 if overlap else "time/sync_total" in r)]
+    vers = [r.get("stage2_ab/async/ver_current") for r in steps]
+    last = steps[-1] if steps else {}
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    fb = [(r.get("time/forward_backward"), r.get("sync/in_flight")) for r in steps]
+    e = {
+        "mode": "overlap" if overlap else "blocking",
+        "records": len(recs), "optimizer_steps": len(steps),
+        "b_steps": sum(1 for r in steps if r.get("stage2_ab/async/step_kind_b")),
+        "vers": sorted({v for v in vers if v is not None}),
+        "ver_monotonic": all(a <= b for a, b in zip(vers, vers[1:]) if a is not None and b is not None),
+        "sync_counts": {k: last.get(k) for k in ("sync/attempts", "sync/successes", "sync/failures", "sync/deferred")},
+        "sync_stall_all_steps": stats(r.get("time/sync_stall") for r in steps),
+        "sync_stall_sync_steps": stats(r.get("time/sync_stall") for r in sync_steps),
+        "sync_stall_sync_steps_excl_first": stats(r.get("time/sync_stall") for r in sync_steps[1:]),
+        "sync_total": stats(r.get("time/sync_total") for r in steps),
+        "sync_fence": stats(r.get("time/sync_fence") for r in steps),
+        "sync_wire": stats(r.get("time/sync_wire") for r in steps),
+        "sync_snapshot": stats(r.get("time/sync_snapshot") for r in steps),
+        "forward_backward_push_in_flight": stats(t for t, f in fb if f == 1),
+        "forward_backward_no_push": stats(t for t, f in fb if not f),
+        "step_time": stats(r.get("time/step") for r in steps),
+        "wall_s": summary.get("wall_s"), "exit_codes": summary.get("exit_codes"),
+    }
+    report[run.name] = e
+    print(f"[{run.name}] {e['mode']}: records {e['records']}, optimizer steps {e['optimizer_steps']}, "
+          f"B steps {e['b_steps']}, vers {e['vers'][:3]}..{e['vers'][-2:]} ({len(e['vers'])} distinct, "
+          f"monotonic {e['ver_monotonic']}), {e['sync_counts']}, wall {e['wall_s']}, exit {e['exit_codes']}")
+    print(f"[{run.name}]   time/sync_stall on sync steps excl. the first: {fmt(e['sync_stall_sync_steps_excl_first'])}")
+    print(f"[{run.name}]   time/sync_stall on every step: {fmt(e['sync_stall_all_steps'])}")
+    print(f"[{run.name}]   time/sync_total {fmt(e['sync_total'])}; fence {fmt(e['sync_fence'])}; "
+          f"wire {fmt(e['sync_wire'])}")
+    if overlap:
+        print(f"[{run.name}]   time/sync_snapshot {fmt(e['sync_snapshot'])}; forward_backward with a push in flight "
+              f"{fmt(e['forward_backward_push_in_flight'])} vs without {fmt(e['forward_backward_no_push'])}")
+for on, o in report.items():  # every overlap run against every blocking run given
+    for bn, b in report.items():
+        if o["mode"] == "overlap" and b["mode"] == "blocking":
+            bs, os_ = b["sync_stall_sync_steps_excl_first"], o["sync_stall_sync_steps_excl_first"]
+            print(f"sync stall per sync (median, excl. the first): blocking {bs and bs['median']}s ({bn}) vs "
+                  f"overlap {os_ and os_['median']}s ({on})")
+if out_json:
+    Path(out_json).write_text(json.dumps(report, indent=1))
+PYEOF
+}
+
+run_logs() {  # run_logs RUN_DIR...: the last syncs as the learner and the server logged them
+  for r in "$@"; do
+    echo "--- $r"
+    grep -h "weights synced" "$r"/logs/learner.log 2>/dev/null | tail -n 3
+    grep -h -c "fast update:" "$r"/logs/rollout_server.log 2>/dev/null | sed 's/^/fast updates: /'
+    grep -h -c "nccl update:" "$r"/logs/rollout_server.log 2>/dev/null | sed 's/^/native updates: /'
+    grep -h -E "fast update:|nccl update:|fast weight load refused" "$r"/logs/rollout_server.log 2>/dev/null | tail -n 3
+    grep -h -i -E "error|traceback|deadlock|watchdog" "$r"/logs/*.log 2>/dev/null | tail -n 5
+  done
+}
+
+export -f evidence run_logs   # for `step NAME S bash -c 'evidence ...'`
+BENCH="python3 bench/bench_weight_sync.py"
 
 case "$PART" in
   A)
@@ -69,6 +237,90 @@ EOF
     step gpu-tests-vllm 200 python3 -m pytest -q -m gpu -rA -s --tb=short -p no:cacheprovider tests/test_gpu_vllm.py
     step gpu-tests-hf 100 python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider tests/test_gpu_weight_sync.py
     step bench-7b-2g 150 python3 bench/bench_weight_sync.py --presets 7b --syncs 4 --reps 2 --bucket-mb 2048 --out "$OUT/bench-7b-2g.json"
+    ;;
+  X1)  # ~7 min: env 10 s, models ~80 s (first time only), vLLM tests ~90 s, bench ~150 s, hf tests ~60 s
+    BUDGET=${BUDGET:-540}
+    setup_x
+    step gpu-tests-vllm 170 python3 -m pytest -q -m gpu -rA -s --tb=short -p no:cacheprovider tests/test_gpu_vllm.py
+    step bench-small 200 $BENCH --presets 0.5b,1.5b --weight-load fast,native --syncs 5 \
+      --log-dir "$OUT/bench-logs" --out "$OUT/bench-small.json"
+    # The training runs of X3 use the fast load path only if it was effective and digest-exact here.
+    if python3 -c "import json, sys; r = json.load(open('$OUT/bench-small.json'))
+sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok') for x in r) else 1)"; then
+      touch /tmp/tandem-fast-ok; echo "=== fast load path: effective and digest-exact" | tee -a "$LOG"
+    else
+      rm -f /tmp/tandem-fast-ok; echo "=== fast load path NOT verified: X3 trains with weight_load=native" | tee -a "$LOG"
+    fi
+    step gpu-tests-hf 90 python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider tests/test_gpu_weight_sync.py
+    bundle logs-X1.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
+    ;;
+  X2)  # ~5 min: 7b TP 1 ~110 s, 1.5b TP 2 ~150 s (3-process raw broadcast, TP 2 server start)
+    BUDGET=${BUDGET:-540}
+    setup_x
+    step bench-7b 230 $BENCH --presets 7b --weight-load fast,native --syncs 5 \
+      --log-dir "$OUT/bench-logs" --out "$OUT/bench-7b.json"
+    step bench-1.5b-tp2 250 $BENCH --presets 1.5b --weight-load fast,native --syncs 5 --tp 2 --server-gpus 0,1 \
+      --learner-gpu 2 --log-dir "$OUT/bench-logs" --out "$OUT/bench-1.5b-tp2.json"
+    bundle logs-X2.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
+    ;;
+  X3)  # ~8 min: the 2+2 split, blocking then overlap (same config, same machine, one after the other):
+       # the overlap run also checks that DDP's all-reduce and the weight broadcast can share rank 0's GPU
+    BUDGET=${BUDGET:-560}
+    setup_x
+    rm -rf runs/gpu-2p2 runs/gpu-2p2-overlap
+    WL=rollout_server.weight_load=fast
+    [ -f /tmp/tandem-fast-ok ] || WL=rollout_server.weight_load=native
+    KILL_AFTER=40 step launcher-2p2 260 python3 -m launcher --config configs/gpu/split_2p2.yaml training.max_steps=50 \
+      $WL --grace-s 20
+    KILL_AFTER=40 step launcher-2p2-overlap 250 python3 -m launcher --config configs/gpu/split_2p2.yaml \
+      training.max_steps=50 stage2_ab.channel_b.async.sync_mode=overlap training.output_dir=runs/gpu-2p2-overlap \
+      run_name=gpu-2p2-overlap $WL --grace-s 20
+    step evidence-2p2 30 bash -c "evidence --json '$OUT/evidence-X3.json' runs/gpu-2p2 runs/gpu-2p2-overlap; \
+      run_logs runs/gpu-2p2 runs/gpu-2p2-overlap"
+    for r in gpu-2p2 gpu-2p2-overlap; do
+      cp "runs/$r/metrics.jsonl" "$OUT/metrics-$r.jsonl" 2>/dev/null
+    done
+    bundle logs-X3.tar.gz runs/gpu-2p2/logs runs/gpu-2p2-overlap/logs runs/gpu-2p2/summary.json \
+      runs/gpu-2p2-overlap/summary.json
+    ;;
+  X4)  # ~8 min (optional): 2+2 blocking 50 steps ~180 s, then 1+1 overlap 60 steps ∥ 1+1 blocking baseline ~140 s
+    BUDGET=${BUDGET:-540}
+    setup_x
+    rm -rf runs/gpu-2p2 runs/gpu-1p1-overlap runs/gpu-1p1-blocking
+    KILL_AFTER=40 step launcher-2p2 270 python3 -m launcher --config configs/gpu/split_2p2.yaml training.max_steps=50 \
+      --grace-s 20
+    step evidence-2p2 30 bash -c 'evidence runs/gpu-2p2; run_logs runs/gpu-2p2'
+    bpid=
+    if [ "${X4_BASELINE:-1}" = 1 ]; then  # same config, blocking, on the other two GPUs (own ports), at the same time
+      KILL_AFTER=40 STEP_LOG="$OUT/baseline-1p1-blocking.log" step launcher-1p1-blocking 230 python3 -m launcher \
+        --config configs/gpu/split_1p1.yaml training.max_steps=60 stage2_ab.channel_b.async.sync_mode=blocking \
+        training.output_dir=runs/gpu-1p1-blocking run_name=gpu-1p1-blocking \
+        'rollout_server.gpus=[2]' 'learner.gpus=[3]' \
+        rollout_server.port=8411 'rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8411"}]' \
+        transport.base_port=5730 --grace-s 20 &
+      bpid=$!
+    fi
+    KILL_AFTER=40 step launcher-1p1-overlap 230 python3 -m launcher --config configs/gpu/split_1p1.yaml \
+      training.max_steps=60 stage2_ab.channel_b.async.sync_mode=overlap training.output_dir=runs/gpu-1p1-overlap \
+      run_name=gpu-1p1-overlap --grace-s 20
+    [ -n "$bpid" ] && wait "$bpid"
+    step evidence-1p1 30 bash -c "evidence --json '$OUT/evidence-X4.json' runs/gpu-2p2 runs/gpu-1p1-overlap \
+      runs/gpu-1p1-blocking runs/gpu-1p1; run_logs runs/gpu-1p1-overlap runs/gpu-1p1-blocking"
+    for r in gpu-2p2 gpu-1p1-overlap gpu-1p1-blocking; do
+      cp "runs/$r/metrics.jsonl" "$OUT/metrics-$r.jsonl" 2>/dev/null
+    done
+    bundle logs-X4.tar.gz runs/gpu-2p2/logs runs/gpu-1p1-overlap/logs runs/gpu-1p1-blocking/logs \
+      runs/gpu-2p2/summary.json runs/gpu-1p1-overlap/summary.json runs/gpu-1p1-blocking/summary.json \
+      "$OUT/baseline-1p1-blocking.log"
+    rm -f "$OUT/baseline-1p1-blocking.log"
+    ;;
+  E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
+    evidence --json "$OUT/evidence-E.json" "$@"
+    run_logs "$@"
+    ;;
+  *)
+    echo "unknown part $PART: A|B|C|X1|X2|X3|X4|E" >&2
+    exit 2
     ;;
 esac
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"

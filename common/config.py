@@ -256,6 +256,11 @@ class RolloutServerConfig:
         "vLLM weight loading: auto = model_path's safetensors; dummy = random weights of its config "
         "(benchmarks: the learner's first sync overwrites them).", "auto"
     )
+    weight_load: Literal["fast", "native"] = doc(
+        "vLLM NCCL sync: fast = receive into two persistent chunk buffers and replay a copy plan "
+        "recorded once per weight layout (falls back to native, logged, when the model's loaders do "
+        "more than copy; docs/gpu.md); native = vLLM's update_weights (layerwise reload).", "fast"
+    )
     sync_idle_timeout_s: float = doc("A sync session idle this long is aborted (old weights kept).", 120.0)
     log_level: str = doc("Server log level.", "info")
     device: str = doc("hf engine device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.", "auto")

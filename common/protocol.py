@@ -4,6 +4,7 @@ Links (direction headers below follow the same order)::
 
     actor ──HTTP /infer──────────────► rollout server      InferRequest -> InferResponse
     learner rank 0 ──HTTP /sync/*────► rollout server      SyncInit/Begin/Bucket/Commit/Abort
+    ops / tests ──HTTP GET /sync/digest► rollout server   SyncDigestResponse (exact weight digests)
     anyone ──HTTP /health────────────► rollout server      HealthResponse
     actor ──ZMQ PUSH─────────────────► learner rank r      pack message (common.wire)
     learner rank r ──ZMQ back-channel► its actors          credits message (common.wire)
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -269,11 +270,15 @@ class HealthResponse(_Message):
     """Engine workers (tensor parallel x data parallel) that receive weights."""
     schema_version: int = Field(SCHEMA_VERSION, alias="schema")
     """The server's ``SCHEMA_VERSION``; clients refuse a different one at start."""
+    engine_info: dict[str, Any] = Field(default_factory=dict)
+    """Engine details for operators (``Engine.health_info``): device, dtype, TP/DP and, for vLLM, the
+    weight-load path in use (``fast``, ``native``, or ``native (fast refused: <why>)``)."""
 
 
 # =============================================================================================
 # learner rank0 -> rollout server (HTTP, admin): POST /sync/{init,begin,bucket,update,commit,abort}
 # Bearer token required when configured. Order: init -> begin -> bucket|update x n -> commit.
+# GET /sync/digest (ops, tests) reads exact weight digests between sessions.
 # =============================================================================================
 
 
@@ -324,12 +329,17 @@ class SyncInitRequest(_Message):
     """Rank of the first server worker in that group (learner rank 0 is rank 0)."""
     timeout_s: float = Field(600.0, gt=0)
     """Seconds the whole session may take; past it the server aborts it and keeps the old weights."""
+    weight_load: Literal["fast", "native"] | None = None
+    """NCCL only: overrides ``rollout_server.weight_load`` for this session (the benchmark and the GPU
+    tests compare the two load paths on one server); None keeps the server's setting."""
 
     @model_validator(mode="after")
     def _nccl_needs_rendezvous(self) -> SyncInitRequest:
         missing = [k for k in ("master_addr", "master_port", "world_size") if getattr(self, k) is None]
         if self.transport == "nccl" and missing:
             raise ValueError(f"transport 'nccl' needs {missing}")
+        if self.transport == "http" and self.weight_load is not None:
+            raise ValueError("weight_load applies to transport 'nccl' only; leave it null for 'http'")
         return self
 
 
@@ -511,6 +521,25 @@ class SyncAbortResponse(_Message):
     """False when no such session was open (an abort is idempotent)."""
 
 
+class SyncDigestResponse(_Message):
+    """Reply to ``GET /sync/digest`` (bearer token like every ``/sync/*``; 409 while a session is open).
+
+    One exact digest (``rollout_server.weights.exact_digest``: every element, not a sample) per
+    engine worker holding weights; equal digests mean bit-identical weights across workers, or
+    between two weight-load paths, or with the tensors the learner pushed (cast to the serving dtype).
+
+    Example:
+        {"engine": "vllm", "ver": 4, "digests": ["3f9c0e1ab2d47c55", "3f9c0e1ab2d47c55"]}
+    """
+
+    engine: str
+    """``vllm`` or ``hf``."""
+    ver: int = Field(ge=0)
+    """Weight version the digests were computed under."""
+    digests: list[str] = Field(min_length=1)
+    """Hex digest per worker (tensor x data parallel rank order); the hf engine has one."""
+
+
 # =============================================================================================
 # rollout server -> any HTTP client: the body of every 4xx/5xx
 # =============================================================================================
@@ -523,6 +552,7 @@ ErrorCode = Literal[
     "sync_timeout",  # 504: drain or session deadline passed; old weights kept
     "not_ready",  # 503: engine loading or in error
     "engine_error",  # 500: the engine failed on a valid request
+    "not_implemented",  # 501: the selected engine does not serve this route (e.g. /sync/digest)
 ]
 
 

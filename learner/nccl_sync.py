@@ -133,10 +133,10 @@ class NcclWeightSender:
 
     # ------------------------------------------------------------------ steps
 
-    def _open(self, bucket_bytes: int, device: torch.device, deadline: float):
+    def _open(self, bucket_bytes: int, device: torch.device, deadline: float, weight_load: str | None = None):
         """``/sync/init``; the first time (or after a drop) also builds the group, concurrently with it."""
         if self._group is not None:
-            return self.client.open(bucket_bytes, nccl=self._rendezvous)
+            return self.client.open(bucket_bytes, nccl=self._rendezvous, weight_load=weight_load)
         health = self.client.health()
         world = 1 + health.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -146,7 +146,7 @@ class NcclWeightSender:
 
         def init() -> None:
             try:
-                box["session"] = self.client.open(bucket_bytes, nccl=rdv)
+                box["session"] = self.client.open(bucket_bytes, nccl=rdv, weight_load=weight_load)
             except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
                 box["error"] = exc
 
@@ -182,10 +182,11 @@ class NcclWeightSender:
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
              fence: str = "drain", on_phase: Callable[[str], None] | None = None,
-             min_ver: int | None = None) -> SyncReport:
+             min_ver: int | None = None, weight_load: str | None = None) -> SyncReport:
         """Send every served weight and commit; raises :class:`SyncError` (server keeps old weights and ver).
 
-        ``on_phase(name)`` is called after ``begin`` (tests use it to freeze the server mid-sync).
+        ``on_phase(name)`` is called after ``begin`` (tests use it to freeze the server mid-sync);
+        ``weight_load`` overrides the server's load path for this push (``fast`` | ``native``: benchmarks).
         """
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
@@ -193,7 +194,7 @@ class NcclWeightSender:
         device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
         had_group = self._group is not None
         try:
-            session = self._open(bucket_bytes, device, deadline)
+            session = self._open(bucket_bytes, device, deadline, weight_load)
         except BaseException:
             if had_group:  # e.g. the server restarted and lost the group: build a new one next time
                 self._drop_group("/sync/init failed")

@@ -6,6 +6,7 @@
     POST /sync/init|begin|commit|abort    the weight-sync state machine (rollout_server.sync)
     POST /sync/bucket            safetensors body + X-Tandem-Bucket JSON header (SyncBucketHeader)
     POST /sync/update            NCCL bucket announcement (vLLM engine only)
+    GET  /sync/digest            SyncDigestResponse: exact weight digest per engine worker (409 mid-sync)
     GET  /metrics                Prometheus text (rollout_server.metrics)
     /v1/models, /v1/completions, /v1/chat/completions   OpenAI subset (rollout_server.openai_routes)
 
@@ -51,6 +52,7 @@ from common.protocol import (
     SyncBucketResponse,
     SyncCommitRequest,
     SyncCommitResponse,
+    SyncDigestResponse,
     SyncInitRequest,
     SyncInitResponse,
 )
@@ -178,7 +180,8 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
         else:
             status = "syncing" if not fence.is_open else "ok"
         body = HealthResponse(status=status, engine=engine.name, model=engine.model_path, ver=fence.ver,
-                              sync_state=sync.state, world_size=engine.world_size())
+                              sync_state=sync.state, world_size=engine.world_size(),
+                              engine_info=engine.health_info() if state.status == "ok" else {})
         return JSONResponse(body.model_dump(by_alias=True), status_code=200 if status == "ok" else 503)
 
     @app.post("/infer", response_model=InferResponse, responses=_ERRORS)
@@ -267,6 +270,32 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
     @admin.post("/abort", response_model=SyncAbortResponse)
     async def sync_abort(req: SyncAbortRequest) -> SyncAbortResponse:
         return await sync.abort(req)
+
+    def refuse_mid_sync(why: str) -> None:
+        """409 while a session is open (weights may be half-staged or, with vLLM, half-loaded)."""
+        s = sync.session
+        if s is not None:
+            raise ApiError(409, "sync_state", f"/sync/digest {why}: sync session {s.id} from {s.client!r} is "
+                           f"{sync.state.value}, the weights are mid-update",
+                           hint="retry once the session commits or aborts (GET /health says sync_state idle)")
+
+    @admin.get("/digest", response_model=SyncDigestResponse, responses={501: {"model": ErrorResponse}})
+    async def sync_digest() -> SyncDigestResponse:
+        require_ready()
+        refuse_mid_sync("is refused")
+        ver = fence.ver
+        try:
+            digests = await engine.weights_digest()
+        except NotImplementedError as exc:
+            raise ApiError(501, "not_implemented", str(exc) or f"the {engine.name} engine has no weight digest",
+                           hint="each commit's sampled fingerprint is in SyncCommitResponse and the log") from None
+        # A session that opened, committed or failed while the engine read: the digest may mix versions.
+        refuse_mid_sync("was overtaken")
+        require_ready()
+        if fence.ver != ver:
+            raise ApiError(409, "sync_state", f"/sync/digest was overtaken: a commit moved ver {ver} -> {fence.ver} "
+                           "while the weights were read", hint="retry")
+        return SyncDigestResponse(engine=engine.name, ver=ver, digests=digests)
 
     app.include_router(admin)
 

@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 #: Routes reported by name; anything else is counted as ``other`` (bounded label cardinality).
 KNOWN_ROUTES = ("/health", "/infer", "/metrics", "/sync/init", "/sync/begin", "/sync/bucket", "/sync/update",
-                "/sync/commit", "/sync/abort", "/v1/models", "/v1/completions", "/v1/chat/completions")
+                "/sync/commit", "/sync/abort", "/sync/digest", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 _WINDOW_S = 30.0
 

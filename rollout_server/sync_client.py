@@ -181,15 +181,17 @@ class WeightSyncClient:
             raise SyncError("health", f"GET {self.base_url}/health failed ({exc}); is the rollout server running? "
                             "Start it with `python -m rollout_server --config ...`") from None
 
-    def open(self, bucket_bytes: int = 512 << 20, *, nccl: dict[str, Any] | None = None) -> SyncSession:
+    def open(self, bucket_bytes: int = 512 << 20, *, nccl: dict[str, Any] | None = None,
+             weight_load: str | None = None) -> SyncSession:
         """``/sync/init``: a session, with the server's manifest (409 if another client holds one).
 
         ``nccl`` (``master_addr``, ``master_port``, ``world_size``, ``rank_offset``) opens an NCCL-transport
         session instead (see ``learner/nccl_sync.py``); the server joins that group if it is new to it.
+        ``weight_load`` (``fast`` | ``native``) overrides the server's NCCL load path for this session.
         """
         deadline = time.monotonic() + self.timeout_s
         req = SyncInitRequest(client=self.client_id, transport="nccl" if nccl else "http", bucket_bytes=bucket_bytes,
-                              timeout_s=self.timeout_s, **(nccl or {}))
+                              timeout_s=self.timeout_s, weight_load=weight_load, **(nccl or {}))
         return SyncSession(self, self._call("init", "/sync/init", req, SyncInitResponse, deadline), deadline)
 
     @staticmethod

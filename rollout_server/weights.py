@@ -1,4 +1,4 @@
-"""Weight tensors on both ends of a sync: names, manifest, fingerprint, safetensors buckets.
+"""Weight tensors on both ends of a sync: names, manifest, fingerprint, exact digest, safetensors buckets.
 
 Imported by the learner-side sender (:mod:`rollout_server.sync_client`) and by the engines, so the
 two sides compute names and fingerprints with the same code. Imports torch and safetensors only
@@ -29,6 +29,13 @@ _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "fl
 
 #: Elements sampled per tensor by :func:`fingerprint` (evenly spaced, first and last included).
 FINGERPRINT_SAMPLES = 4096
+
+#: Elements :func:`exact_digest` widens at a time (4 int64 temporaries of 128 MiB each at most).
+DIGEST_CHUNK = 1 << 24
+#: Position weights of :func:`exact_digest` cycle with this period (Adler-32's prime, < 2**16).
+DIGEST_MODULUS = 65521
+#: Raw-bit integer view per element size; 1-byte elements read unsigned.
+_BITS_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,6 +105,86 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]], dtypes: dict[str, str
         h.update(f"{name}|{dtype_name(flat.dtype)}|{list(t.shape)}|".encode())
         h.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def exact_digest(named: Iterable[tuple[str, torch.Tensor]], *, chunk_elems: int = DIGEST_CHUNK) -> str:
+    """A deterministic hash over EVERY element of the weights, to check that two copies are bit-identical.
+
+    :func:`fingerprint` samples 4096 values per tensor, so it cannot tell two servers apart whose
+    weights differ elsewhere (e.g. after two different weight-load paths). This digest reads all of
+    them, and stays cheap on a GPU: per tensor (sorted by name) it reads each element's raw bits as
+    an unsigned integer ``u_i`` and computes, on the tensor's own device,
+
+        s1 = sum(u_i)        s2 = sum(u_i * (i % 65521 + 1))     (i = flat row-major index)
+
+    then hashes ``name|dtype|shape|s1|s2`` with blake2b. Only two integers per tensor reach the host.
+    ``s1`` sees any change of value, ``s2`` also a permutation (two elements swapped, unless their
+    indices differ by a multiple of 65521). All arithmetic is on integers and exact: elements are
+    split into 16-bit limbs so no partial sum can overflow int64, and chunk sums are added up in
+    Python ints, so CPU and GPU, any chunk size and any reduction order give the same digest.
+
+    Memory stays bounded: ``chunk_elems`` elements are widened at a time; a non-contiguous tensor
+    is copied one bounded block at a time, never whole. Inputs are not modified. Dtype and shape are
+    hashed too, so the same values held as float32 and as bfloat16 digest differently.
+    """
+    if not 1 <= chunk_elems <= 1 << 30:  # a limb (< 2**16) times a weight (< 2**16), summed: < 2**62
+        raise ValueError(f"chunk_elems must be in [1, 2**30], got {chunk_elems}")
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        t = t.detach()
+        s1, s2 = _exact_sums(t, chunk_elems)
+        h.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|{s1}|{s2}|".encode())
+    return h.hexdigest()
+
+
+def _exact_sums(t: torch.Tensor, chunk_elems: int) -> tuple[int, int]:
+    """``(sum u_i, sum u_i * (i % DIGEST_MODULUS + 1))`` over the raw bits ``u_i`` of ``t`` (:func:`exact_digest`)."""
+    size = t.element_size()
+    as_int = _BITS_AS.get(size)
+    if as_int is None:
+        raise TypeError(f"exact_digest: no integer view for {t.dtype} ({size}-byte elements)")
+    bits = t if t.dtype == as_int else t.view(as_int)
+    n_limbs = max(1, size // 2)
+    parts: list[torch.Tensor] = []  # per chunk, per 16-bit limb: (sum, weighted sum), all < 2**63
+    for start, chunk in _flat_chunks(bits, chunk_elems):
+        x = chunk.to(torch.int64)
+        w = torch.arange(start, start + x.numel(), dtype=torch.int64, device=x.device)
+        w.remainder_(DIGEST_MODULUS).add_(1)
+        for k in range(n_limbs):
+            limb = x if size == 1 else (x >> (16 * k)) & 0xFFFF
+            parts += [limb.sum(), (limb * w).sum()]
+    if not parts:
+        return 0, 0
+    s1 = s2 = 0
+    for j, (a, b) in enumerate(zip(*[iter(torch.stack(parts).tolist())] * 2)):  # one host sync per tensor
+        shift = 16 * (j % n_limbs)
+        s1 += a << shift
+        s2 += b << shift
+    return s1, s2
+
+
+def _flat_chunks(t: torch.Tensor, n: int, start: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(flat index of the first element, 1-D chunk of at most n elements)`` in row-major order.
+
+    A contiguous tensor is sliced as views; a non-contiguous one is walked by blocks of whole rows
+    (recursing into a row bigger than ``n``), so a copy never holds more than ``n`` elements.
+    """
+    if t.is_contiguous():
+        flat = t.reshape(-1)
+        for a in range(0, flat.numel(), n):
+            yield start + a, flat[a:a + n]
+    elif t.dim() == 1:
+        for a in range(0, t.numel(), n):
+            yield start + a, t[a:a + n].contiguous()
+    else:
+        row = t[0].numel()
+        rows = n // row if row else t.shape[0]
+        if rows >= 1:
+            for a in range(0, t.shape[0], rows):
+                yield start + a * row, t[a:a + rows].reshape(-1)
+        else:
+            for a in range(t.shape[0]):
+                yield from _flat_chunks(t[a], n, start + a * row)
 
 
 def encode_bucket(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, str, list[int], tuple[int, int]]]]:

@@ -48,6 +48,7 @@ def test_health_answers_loading_first_then_ok_with_engine_model_and_ver(server, 
     assert r.status_code == 200
     assert (h.status, h.engine, h.ver, h.sync_state, h.world_size) == ("ok", "hf", 0, "idle", 1)
     assert h.model == str(tiny_model_dir) and h.schema_version == SCHEMA_VERSION
+    assert h.engine_info["device"] == "cpu" and h.engine_info["n_params"] > 0, h.engine_info
 
 
 def test_infer_completes_chat_and_token_id_prompts_in_order_with_ids_echoed(server):

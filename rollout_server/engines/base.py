@@ -134,6 +134,17 @@ class Engine(abc.ABC):
     def fingerprint(self) -> str:
         """Cheap deterministic hash of the served weights (see ``rollout_server.weights.fingerprint``)."""
 
+    async def weights_digest(self) -> list[str]:
+        """Exact digest of the served weights, one per worker holding weights (``GET /sync/digest``).
+
+        Each entry is ``rollout_server.weights.exact_digest`` over that worker's served parameters
+        (manifest names), computed where the weights live. Unlike :meth:`fingerprint` it reads every
+        element, so equal entries mean bit-identical weights: ops and GPU tests compare workers, or
+        two weight-load paths, with it. Called only while no sync session is open.
+        """
+        raise NotImplementedError(f"the {self.name} engine does not compute weight digests "
+                                  "(Engine.weights_digest is not implemented for it)")
+
     # ---------------------------------------------------------------- reporting
 
     def world_size(self) -> int:

@@ -500,6 +500,20 @@ class HFEngine(Engine):
     def fingerprint(self) -> str:
         return W.fingerprint((n, self._params[n]) for n in self._manifest)
 
+    async def weights_digest(self) -> list[str]:
+        """One worker: the exact digest of the served parameters, under the names and set ``fingerprint`` uses.
+
+        Runs on the generate/commit worker thread: it reads every element (seconds for a big model on
+        CPU) without blocking the event loop, and never overlaps a commit's copy into the weights.
+        """
+        assert self.gen is not None, "engine not started"
+        loop = asyncio.get_running_loop()
+        return [await loop.run_in_executor(self._pool, self._digest)]
+
+    def _digest(self) -> str:
+        with torch.no_grad():
+            return W.exact_digest((n, self._params[n]) for n in self._manifest)
+
     def health_info(self) -> dict[str, Any]:
         if self.gen is None:
             return {}

@@ -21,13 +21,22 @@ Mapping onto vLLM:
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
   cancelled every request when ``pause()`` runs ``pause_generation(mode="abort", clear_cache=True)``
   (never ``keep``: requests would straddle versions); ``resume()`` runs ``resume_generation``.
-* Weights over NCCL, vLLM's native API: ``/sync/init`` -> ``init_weight_transfer_engine`` (blocks
-  until learner rank 0 joins; kept across syncs while the rendezvous is the same), the one
-  ``/sync/update`` -> ``start_weight_update`` + ``update_weights(names, dtype_names, shapes,
-  packed=True, packed_buffer_size_bytes=bucket_bytes)`` while the learner broadcasts,
-  ``/sync/commit`` -> ``finish_weight_update``, then ``reset_prefix_cache`` (its bool checked: a
-  False puts the server in error rather than serve stale caches), ``reset_mm_cache`` and
-  ``reset_encoder_cache``.
+* Weights over NCCL: ``/sync/init`` -> ``init_weight_transfer_engine`` (blocks until learner rank 0
+  joins; kept across syncs while the rendezvous is the same). The one ``/sync/update``, while the
+  learner broadcasts packed chunks, takes one of two load paths (``rollout_server.weight_load``, or
+  the session's ``weight_load``):
+
+  - ``fast`` (default): ``collective_rpc("tandem_prepare")`` on every worker (records a copy plan the
+    first time a layout is seen: :mod:`rollout_server.load_plan`), then ``tandem_receive`` receives
+    into persistent buffers and replays the plan's copies chunk by chunk
+    (:mod:`rollout_server.engines.vllm_fastload`). A worker that cannot plan (quantized model, a
+    loader that computes values) makes the engine fall back to native for good, logged with the reason;
+  - ``native``: ``start_weight_update`` + ``update_weights(names, dtype_names, shapes, packed=True,
+    packed_buffer_size_bytes=bucket_bytes)`` (layerwise reload through the model's loaders), and
+    ``finish_weight_update`` at commit.
+
+  ``/sync/commit`` then runs ``reset_prefix_cache`` (its bool checked: a False puts the server in
+  error rather than serve stale caches), ``reset_mm_cache`` and ``reset_encoder_cache``.
 * Weights over HTTP (no NCCL): buckets staged in CPU memory, written as one safetensors directory at
   commit and loaded with ``collective_rpc("reload_weights")``. UNTESTED on GPU (the NCCL path is the
   one the GPU configs use).
@@ -61,6 +70,8 @@ INSTALL_FIX = ("rollout_server.engine=vllm but vLLM is not installed in this env
 MAX_IMAGES_PER_PROMPT = 8
 #: Chunks in flight on each side of a packed NCCL transfer (must equal the learner's NUM_BUFFERS).
 PACKED_NUM_BUFFERS = 2
+#: Mixed into vLLM's workers: the fast load path and the weights digest.
+WORKER_EXTENSION = "rollout_server.engines.vllm_fastload.TandemWorkerExtension"
 
 
 def vllm_available() -> bool:
@@ -90,6 +101,10 @@ class VLLMEngine(Engine):
         self._staged: dict[str, Any] = {}
         self._received: set[str] = set()
         self._nccl_updating = False
+        self._fast_updated = False
+        self._load_mode: str = getattr(srv, "weight_load", "fast")
+        self._fast_refused: str | None = None  # why the fast path is off for good (first refusal)
+        self._session_timeout_s = 600.0
         self._group_key: tuple | None = None
         self._bucket_bytes = 512 << 20
         self._fingerprint = "unknown"
@@ -101,6 +116,10 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA cannot re-init in a fork
+        # vLLM's worker processes import WORKER_EXTENSION by name: make this checkout importable there too.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         from vllm import AsyncEngineArgs
         from vllm.config import WeightTransferConfig  # vLLM >= 0.16
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -111,7 +130,7 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=srv.gpu_memory_utilization, enable_prefix_caching=srv.enable_prefix_caching,
             logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": MAX_IMAGES_PER_PROMPT}, seed=0,
             enforce_eager=srv.enforce_eager, load_format=srv.load_format,
-            weight_transfer_config=WeightTransferConfig(backend="nccl"),
+            weight_transfer_config=WeightTransferConfig(backend="nccl"), worker_extension_cls=WORKER_EXTENSION,
         )
         if srv.max_model_len:
             args["max_model_len"] = srv.max_model_len
@@ -262,6 +281,8 @@ class VLLMEngine(Engine):
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         self._bucket_bytes = req.bucket_bytes
+        self._load_mode = req.weight_load or getattr(self.srv, "weight_load", "fast")
+        self._session_timeout_s = req.timeout_s
         key = (req.master_addr, req.master_port, req.world_size, req.rank_offset)
         if key == self._group_key:
             return
@@ -272,10 +293,42 @@ class VLLMEngine(Engine):
         self._group_key = key
 
     async def receive_nccl(self, header: SyncBucketHeader) -> int:
-        """All announced tensors, as packed broadcasts; vLLM loads them layer by layer as they arrive."""
+        """All announced tensors, as packed broadcasts: fast path if every worker can plan it, else native."""
+        names = [self._check(n, d, s) for n, d, s in zip(header.names, header.dtypes, header.shapes)]
+        nbytes = sum(end - begin for begin, end in header.offsets)
+        if self._load_mode == "fast" and self._fast_refused is None and not self._nccl_updating:
+            if await self._receive_fast(header, nbytes):
+                self._received.update(names)
+                return nbytes
+        return await self._receive_native(header, names, nbytes)
+
+    async def _receive_fast(self, header: SyncBucketHeader, nbytes: int) -> bool:
+        """False (nothing received) when a worker cannot plan this layout; raises if receiving fails."""
+        layout = {"names": list(header.names), "dtypes": list(header.dtypes), "shapes": header.shapes,
+                  "offsets": [list(o) for o in header.offsets], "bucket_bytes": self._bucket_bytes}
+        t0 = time.monotonic()
+        plans = await self.llm.collective_rpc("tandem_prepare", kwargs={"layout": layout})
+        refused = [p.get("reason", "?") for p in plans if not p.get("ok")]
+        if refused:
+            self._fast_refused = refused[0]
+            log.warning("fast weight load refused (%s); vLLM's native update_weights from now on", refused[0])
+            return False
+        t1 = time.monotonic()
+        self._fast_updated = True  # from here the served weights are being overwritten in place
+        outs = await self.llm.collective_rpc("tandem_receive", kwargs={"timeout_s": self._session_timeout_s})
+        t2 = time.monotonic()
+        p = plans[0]
+        log.info("fast update: %d tensors, %.2f GB, %d chunks: prepare %.3fs%s, receive+copy %.3fs (%.1f GB/s; "
+                 "worker %.3fs), %d copies, %d fills, %d params untouched", len(header.names), nbytes / 1e9,
+                 p["chunks"], t1 - t0, " (plan recorded)" if p["recorded"] else "", t2 - t1,
+                 nbytes / max(t2 - t1, 1e-9) / 1e9, max(o["receive_s"] for o in outs), p["copies"], p["fills"],
+                 p["params_untouched"])
+        return True
+
+    async def _receive_native(self, header: SyncBucketHeader, names: list[str], nbytes: int) -> int:
+        """vLLM's update_weights: the model's loaders under layerwise reload, chunk by chunk."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        names = [self._check(n, d, s) for n, d, s in zip(header.names, header.dtypes, header.shapes)]
         t0 = time.monotonic()
         if not self._nccl_updating:
             await self.llm.start_weight_update()
@@ -290,7 +343,6 @@ class VLLMEngine(Engine):
             self._nccl_updating = False  # the worker closed its session on the failure
             raise
         self._received.update(names)
-        nbytes = sum(end - begin for begin, end in header.offsets)
         t2 = time.monotonic()
         log.info("nccl update: %d tensors, %.2f GB: start_weight_update %.3fs, update_weights %.3fs (%.1f GB/s)",
                  len(names), nbytes / 1e9, t1 - t0, t2 - t1, nbytes / max(t2 - t1, 1e-9) / 1e9)
@@ -305,7 +357,13 @@ class VLLMEngine(Engine):
     async def commit(self, expected_fingerprint: str | None = None) -> bool:
         sent = self._received or set(self._staged)
         missing = [n for n in self._manifest if n not in sent]
-        if self._nccl_updating:
+        if self._fast_updated:
+            self._fast_updated = False
+            self._received = set()
+            if missing:
+                raise WeightUpdateError(f"{len(missing)} of {len(self._manifest)} parameters were not sent (first: "
+                                        f"{missing[0]!r}); the served weights are now partly new")
+        elif self._nccl_updating:
             # Every announced tensor is already loaded; a partial update still has to be closed.
             await self.llm.finish_weight_update()
             self._nccl_updating = False
@@ -337,6 +395,7 @@ class VLLMEngine(Engine):
     async def discard(self) -> None:
         self._staged = {}
         self._received = set()
+        self._fast_updated = False
         if self._nccl_updating:  # start_weight_update refuses while a session is active: close it
             try:
                 await self.llm.finish_weight_update()
@@ -347,9 +406,14 @@ class VLLMEngine(Engine):
     def fingerprint(self) -> str:
         return self._fingerprint
 
+    async def weights_digest(self) -> list[str]:
+        """One exact digest per worker (``tandem_digest``): equal loads give equal digests."""
+        return [str(d) for d in await self.llm.collective_rpc("tandem_digest")]
+
     def health_info(self) -> dict[str, Any]:
+        load = self._load_mode if self._fast_refused is None else f"native (fast refused: {self._fast_refused})"
         return {"tensor_parallel_size": self.srv.tensor_parallel_size, "data_parallel_size": self._dp,
-                "dtype": self._dtype}
+                "dtype": self._dtype, "weight_load": load}
 
 
 __all__ = ["VLLMEngine", "vllm_available", "INSTALL_FIX"]

@@ -1,0 +1,366 @@
+"""Fast weight loading: a model's own weight loaders, recorded once as a list of copies, then replayed.
+
+Why: vLLM's ``update_weights`` runs every received tensor through the model's Python weight loaders
+under the layerwise-reload wrappers (~0.2 ms of host work per tensor), so a sync costs 0.13-0.16 s
+whatever its size while NVLink moves a 7B model in ~40 ms (docs/benchmarks.md). For an unquantized
+model those loaders only *place* bytes: fused q/k/v and gate/up rows, tensor-parallel slices, zeroed
+vocabulary padding. The placement depends on the layout of the stream (names, shapes, dtypes,
+chunking), not on the values, so it can be captured once and replayed as plain tensor copies.
+
+How a plan is recorded (:func:`record_plan`): the loader is called on views of the receive buffers
+(their contents do not matter) under a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that
+intercepts every aten op writing into a parameter or buffer of the model and does NOT execute it:
+
+* ``copy_(param_view, src)`` with ``src`` a view of a receive buffer -> a recorded copy;
+* ``fill_`` / ``zero_`` of a parameter view -> a recorded fill (e.g. vocabulary padding);
+* anything else that writes model storage (arithmetic, ``index_copy_``, a copy from a tensor the
+  loader computed, ``param.data = ...`` rebinding) -> :class:`PlanError`, and the caller keeps the
+  native path. So a loader that transforms values can never be replayed wrongly: it is refused.
+
+Every written parameter must be covered exactly (written elements == its size, checked with a mask
+where writes overlap); parameters the stream never touches are counted and reported.
+
+How a plan is replayed (:class:`FastLoader`): chunk ``k`` is received into slot ``k % num_buffers``
+of persistent buffers; on CUDA the receive runs on one stream and the chunk's copies on another, so
+copying chunk ``k`` overlaps receiving chunk ``k + 1`` and a slot is reused only once its copies are
+done (events). Every host wait polls against a deadline.
+
+What this module does not know: vLLM. It takes a model, a ``load_fn`` (``model.load_weights``) and a
+``broadcast(buffer, stream)`` callable; ``rollout_server/engines/vllm_fastload.py`` binds them inside
+vLLM's workers, and tests bind them to plain modules and gloo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rollout_server import weights as W
+
+log = logging.getLogger(__name__)
+
+#: Receive slots (as vLLM's packed consumer: chunk k+1 arrives while chunk k is copied).
+NUM_BUFFERS = 2
+_ALIGN = 64  # bytes: every slot can be viewed as any protocol dtype
+
+_FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+
+
+class PlanError(RuntimeError):
+    """The model's loaders do more than place bytes (or the layout changed): use the native path."""
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Tensors of one packed broadcast: names, dtypes, shapes and byte ranges within the chunk."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.spans[-1][1]
+
+
+def chunk_layouts(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                  offsets: Sequence[Sequence[int]], bucket_bytes: int) -> list[ChunkLayout]:
+    """Cut an announced stream (``SyncBucketHeader`` fields) into chunks by the shared packing rule."""
+    sizes = [int(e) - int(b) for b, e in offsets]
+    out = []
+    for idx in W.packed_chunks(sizes, bucket_bytes):
+        spans, pos = [], 0
+        for i in idx:
+            spans.append((pos, pos + sizes[i]))
+            pos += sizes[i]
+        out.append(ChunkLayout(tuple(names[i] for i in idx), tuple(dtypes[i] for i in idx),
+                               tuple(tuple(int(d) for d in shapes[i]) for i in idx), tuple(spans)))
+    return out
+
+
+def layout_key(layouts: Sequence[ChunkLayout]) -> str:
+    """Identity of a stream layout: a plan is valid for exactly one."""
+    raw = json.dumps([[c.names, c.dtypes, c.shapes, c.spans] for c in layouts]).encode()
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+def chunk_views(buf: torch.Tensor, layout: ChunkLayout) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of a uint8 receive buffer holding ``layout``."""
+    return [(n, buf[b:e].view(W.torch_dtype(d)).view(s))
+            for n, d, s, (b, e) in zip(layout.names, layout.dtypes, layout.shapes, layout.spans)]
+
+
+# ---------------------------------------------------------------------------------------- recording
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an aten op writes in place (``Tensor(a!)`` arguments, ``out=`` included)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = args[i] if i < len(args) else kwargs.get(arg.name)
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        out.extend(v for v in vals if isinstance(v, torch.Tensor))
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs a loader with every write into model storage recorded instead of executed."""
+
+    def __init__(self, targets: dict[int, str], sources: set[int]) -> None:
+        super().__init__()
+        self.targets, self.sources = targets, sources
+        self.ops: list[tuple] = []  # ("copy", dst, src) | ("fill", dst, value)
+        self.error: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        hits = [t for t in _written(func, args, kwargs) if _storage(t) in self.targets]
+        if not hits:
+            return func(*args, **kwargs)
+        name = self.targets[_storage(hits[0])]
+        if func is torch.ops.aten.copy_.default:
+            src = args[1]
+            if isinstance(src, torch.Tensor) and _storage(src) in self.sources:
+                self.ops.append(("copy", args[0], src))
+                return args[0]
+            self._refuse(f"{name!r} is written from a tensor the loader computed (not a received byte range)")
+        elif func in _FILLS:
+            value = 0 if func is torch.ops.aten.zero_.default else args[1]
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            self.ops.append(("fill", args[0], value))
+            return args[0]
+        else:
+            self._refuse(f"{name!r} is written by {func} (not a copy or a fill)")
+        return args[0]  # refused: skip the write, the caller raises after the loader returns
+
+    def _refuse(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+
+
+@dataclass
+class LoadPlan:
+    """Per chunk, the ops to replay after it arrives; plus what was checked when it was recorded."""
+
+    key: str
+    layouts: list[ChunkLayout]
+    ops: list[list[tuple]]
+    storages: dict[str, int]
+    n_copies: int = 0
+    n_fills: int = 0
+    written: list[str] = field(default_factory=list)
+    untouched: list[str] = field(default_factory=list)
+    record_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"key": self.key, "chunks": len(self.layouts), "copies": self.n_copies, "fills": self.n_fills,
+                "params_written": len(self.written), "params_untouched": len(self.untouched),
+                "untouched": self.untouched[:8], "record_s": round(self.record_s, 4)}
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(model.named_parameters(remove_duplicate=True))
+    for n, b in model.named_buffers(remove_duplicate=True):
+        if b is not None and n not in named:
+            named[n] = b
+    return named
+
+
+def _snapshot(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor, int]]:
+    """Who owns what: (module, attr, tensor object, its data alias, data_ptr), to undo a rebinding."""
+    out = []
+    for mod in model.modules():
+        for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if t is not None:
+                out.append((mod, attr, t, t.data, t.data_ptr()))
+    return out
+
+
+def _restore(snap: list) -> list[str]:
+    """Put back any tensor a loader rebound; names what it had to restore."""
+    fixed = []
+    for mod, attr, t, data, ptr in snap:
+        current = mod._parameters.get(attr, mod._buffers.get(attr))
+        if current is not t:
+            (mod._parameters if attr in mod._parameters else mod._buffers)[attr] = t
+            fixed.append(f"{type(mod).__name__}.{attr} (replaced)")
+        if t.data_ptr() != ptr:
+            t.data = data
+            fixed.append(f"{type(mod).__name__}.{attr} (.data rebound)")
+    return fixed
+
+
+def record_plan(model: torch.nn.Module, load_fn: Callable[[list[tuple[str, torch.Tensor]]], Any],
+                layouts: list[ChunkLayout], buffers: list[torch.Tensor]) -> LoadPlan:
+    """Dry-run ``load_fn`` chunk by chunk on views of ``buffers``; the model is left untouched.
+
+    Raises :class:`PlanError` naming the first parameter whose loader is not a pure placement, a
+    parameter whose elements are not all covered, or a loader that rebinds a tensor (undone first).
+    """
+    t0 = time.perf_counter()
+    tensors = _model_tensors(model)
+    targets = {_storage(t): n for n, t in tensors.items()}
+    sources = {_storage(b) for b in buffers}
+    snap = _snapshot(model)
+    ops: list[list[tuple]] = []
+    try:
+        for k, layout in enumerate(layouts):
+            rec = _Recorder(targets, sources)
+            with torch.no_grad(), rec:
+                load_fn(chunk_views(buffers[k % len(buffers)], layout))
+            if rec.error:
+                raise PlanError(rec.error)
+            ops.append(rec.ops)
+    finally:
+        fixed = _restore(snap)
+    if fixed:
+        raise PlanError(f"the loader rebinds model tensors instead of writing them: {fixed[:3]}")
+    counts: dict[int, int] = {}
+    dsts: dict[int, list[torch.Tensor]] = {}
+    for chunk_ops in ops:
+        for _, dst, _ in chunk_ops:
+            counts[_storage(dst)] = counts.get(_storage(dst), 0) + dst.numel()
+            dsts.setdefault(_storage(dst), []).append(dst)
+    written, untouched = [], []
+    for name, t in tensors.items():
+        got = counts.get(_storage(t))
+        if got is None:
+            untouched.append(name)
+            continue
+        written.append(name)
+        if got != t.numel() and not _covers(t, dsts[_storage(t)]):
+            raise PlanError(f"{name!r}: the loader writes {got} of its {t.numel()} elements; a replay would leave "
+                            f"stale values")
+    flat = [op for chunk_ops in ops for op in chunk_ops]
+    return LoadPlan(key=layout_key(layouts), layouts=list(layouts), ops=ops,
+                    storages={n: _storage(t) for n, t in tensors.items()},
+                    n_copies=sum(op[0] == "copy" for op in flat), n_fills=sum(op[0] == "fill" for op in flat),
+                    written=written, untouched=untouched, record_s=time.perf_counter() - t0)
+
+
+def _covers(t: torch.Tensor, views: list[torch.Tensor]) -> bool:
+    """Exact check for overlapping writes: every element of ``t`` is in some view."""
+    mask = torch.zeros(t.untyped_storage().nbytes() // t.element_size(), dtype=torch.bool, device=t.device)
+    for v in views:
+        mask.as_strided(v.size(), v.stride(), v.storage_offset()).fill_(True)
+    return bool(mask.as_strided(t.size(), t.stride(), t.storage_offset()).all())
+
+
+# ------------------------------------------------------------------------------------------- replay
+
+
+def _replay(ops: list[tuple]) -> None:
+    for kind, dst, arg in ops:
+        if kind == "copy":
+            dst.copy_(arg)
+        else:
+            dst.fill_(arg)
+
+
+def _wait(event: Any, deadline: float, what: str) -> None:
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited past the sync deadline for {what}; learner rank 0 is gone or stuck")
+        time.sleep(0.0002)
+
+
+class FastLoader:
+    """Persistent receive buffers + the plan for the current layout, for one model on one device.
+
+    ``prepare(layouts)`` is cheap once a plan exists (a dict lookup and a storage check); the first
+    time, or when the layout or the model's storage changed, it records a new plan (~the cost of one
+    native load, no weights written). ``receive(broadcast, deadline)`` runs one sync.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device,
+                 load_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None) -> None:
+        self.model, self.device = model, torch.device(device)
+        self.load_fn = load_fn or model.load_weights  # type: ignore[operator]
+        self.plan: LoadPlan | None = None
+        self.buffers: list[torch.Tensor] = []
+
+    def _ensure_buffers(self, nbytes: int) -> None:
+        nbytes = -(-nbytes // _ALIGN) * _ALIGN
+        if self.buffers and self.buffers[0].numel() >= nbytes:
+            return
+        self.plan = None  # its views point into the old buffers
+        self.buffers = []
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_BUFFERS)]
+
+    def _stale(self, plan: LoadPlan) -> str | None:
+        now = {n: _storage(t) for n, t in _model_tensors(self.model).items()}
+        if now != plan.storages:
+            changed = sorted(set(now.items()) ^ set(plan.storages.items()))
+            return f"model storage changed since the plan was recorded ({changed[0][0]!r} first)"
+        return None
+
+    def prepare(self, layouts: list[ChunkLayout]) -> dict[str, Any]:
+        """Plan for ``layouts`` (recorded if needed); raises :class:`PlanError` (nothing received yet)."""
+        key = layout_key(layouts)
+        if self.plan is not None and self.plan.key == key and self._stale(self.plan) is None:
+            return {"recorded": False, **self.plan.summary()}
+        self._ensure_buffers(max(c.nbytes for c in layouts))
+        self.plan = None
+        plan = record_plan(self.model, self.load_fn, layouts, self.buffers)
+        self.plan = plan
+        log.info("fast weight load: plan %s recorded in %.3fs: %d chunks, %d copies, %d fills, %d tensors written, "
+                 "%d untouched", plan.key, plan.record_s, len(layouts), plan.n_copies, plan.n_fills,
+                 len(plan.written), len(plan.untouched))
+        return {"recorded": True, **plan.summary()}
+
+    def receive(self, broadcast: Callable[[torch.Tensor, Any], None], deadline: float) -> dict[str, float]:
+        """Receive every chunk of the prepared layout and replay its copies into the model's storage."""
+        plan = self.plan
+        if plan is None:
+            raise PlanError("receive() before a successful prepare()")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if self.device.type == "cuda":
+                self._receive_cuda(plan, broadcast, deadline)
+            else:
+                for k, layout in enumerate(plan.layouts):
+                    broadcast(self.buffers[k % NUM_BUFFERS][:layout.nbytes], None)
+                    _replay(plan.ops[k])
+        return {"receive_s": time.perf_counter() - t0, "bytes": float(sum(c.nbytes for c in plan.layouts))}
+
+    def _receive_cuda(self, plan: LoadPlan, broadcast: Callable[[torch.Tensor, Any], None], deadline: float) -> None:
+        recv, copy = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        # The model's last forward and the caller's work are ordered before any byte lands.
+        start = torch.cuda.current_stream(self.device).record_event()
+        recv.wait_event(start)
+        copy.wait_event(start)
+        freed: list[Any] = [None] * NUM_BUFFERS
+        for k, layout in enumerate(plan.layouts):
+            slot = k % NUM_BUFFERS
+            with torch.cuda.stream(recv):
+                if freed[slot] is not None:
+                    recv.wait_event(freed[slot])  # slot reuse only after the copies that read it
+                broadcast(self.buffers[slot][:layout.nbytes], recv)
+                arrived = recv.record_event()
+            with torch.cuda.stream(copy):
+                copy.wait_event(arrived)
+                _replay(plan.ops[k])
+                freed[slot] = copy.record_event()
+        done = copy.record_event()
+        _wait(done, deadline, f"{len(plan.layouts)} weight chunk(s) ({sum(c.nbytes for c in plan.layouts)} bytes)")
+        torch.cuda.current_stream(self.device).wait_event(done)
+
+
+__all__ = ["ChunkLayout", "FastLoader", "LoadPlan", "PlanError", "chunk_layouts", "chunk_views", "layout_key",
+           "record_plan", "NUM_BUFFERS"]

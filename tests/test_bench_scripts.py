@@ -1,0 +1,264 @@
+"""CPU checks of the GPU bench scripts' pure parts: bench/bench_weight_sync.py helpers, bench/gpu_session.sh.
+
+The GPU runs themselves happen on lent machines (docs/gpu.md); here: the push order (warm-ups, then the
+load paths alternated), per-path medians and the table, the digest check's verdicts against a fake
+server (including a fast path that leaves a tensor stale, which only the fast-then-native pair catches),
+the exit code, the server overrides as the config loader reads them, and the session script's syntax
+and its run-evidence part on fake metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_weight_sync as b  # noqa: E402
+
+GB = 10**9
+
+
+def test_help_runs_without_a_gpu():
+    r = subprocess.run([sys.executable, str(REPO / "bench/bench_weight_sync.py"), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for flag in ("--weight-load", "--server-gpus", "--tp", "--learner-gpu", "--syncs"):
+        assert flag in r.stdout
+
+
+def test_cli_lists_are_parsed_and_bad_topologies_refused():
+    assert b.parse_modes("fast,native") == ["fast", "native"]
+    assert b.parse_modes(" native ") == ["native"]
+    for bad in ("", "fast,fast", "fast,slow"):
+        with pytest.raises(ValueError):
+            b.parse_modes(bad)
+    assert b.parse_gpus("0,1") == [0, 1]
+    with pytest.raises(ValueError):
+        b.parse_gpus("0,0")
+    b.check_topology([0, 1], 2, 2)
+    with pytest.raises(ValueError, match="divide"):
+        b.check_topology([0, 1, 2], 2, 3)
+    with pytest.raises(ValueError, match="learner-gpu"):
+        b.check_topology([0, 1], 2, 1)
+
+
+def test_main_rejects_a_learner_gpu_among_the_server_gpus():
+    with pytest.raises(SystemExit) as exc:
+        b.main(["--server-gpus", "0,1", "--tp", "2", "--learner-gpu", "1"])
+    assert exc.value.code == 2
+
+
+def test_sync_order_warms_each_path_up_then_alternates():
+    order = b.sync_order(["fast", "native"], 3)
+    assert order[:2] == [("fast", True), ("native", True)]
+    timed = order[2:]
+    assert [m for m, _ in timed] == ["fast", "native"] * 3
+    assert not any(w for _, w in timed)
+    assert b.sync_order(["native"], 2) == [("native", True), ("native", False), ("native", False)]
+
+
+def test_server_overrides_read_back_through_the_config_loader():
+    from common.config import load_config
+
+    ov = b.server_overrides("/tmp/m", 8123, 0.35, [0, 1], 2, 2)
+    cfg = load_config(REPO / "configs/gpu/split_1p1.yaml", ov)
+    srv = cfg.rollout_server
+    assert (srv.gpus, srv.tensor_parallel_size, srv.port, srv.load_format) == ([0, 1], 2, 8123, "dummy")
+    assert cfg.learner.gpus == [2] and cfg.model.path == "/tmp/m"
+    cfg = load_config(REPO / "configs/gpu/split_1p1.yaml", b.server_overrides("/tmp/m", 8123, 0.35, [0], 1, 1))
+    assert cfg.rollout_server.gpus == [0] and cfg.learner.gpus == [1]
+
+
+def test_raw_broadcast_puts_rank_0_on_the_learner_gpu_and_one_rank_per_server_gpu():
+    assert b.raw_ranks(1, [0]) == [(0, 1), (1, 0)]
+    assert b.raw_ranks(2, [0, 1]) == [(0, 2), (1, 0), (2, 1)]
+
+
+def _rec(mode, warm, wire, total=None, ver=1):
+    return {"mode": mode, "warmup": warm, "ver": ver, "fence_s": 0.02, "wire_s": wire, "commit_s": 0.01,
+            "total_s": total if total is not None else wire + 0.05, "server_update_s": wire - 0.01, "bytes": 2 * GB}
+
+
+RAW = {"single_s": {"gb_s": 400.0, "median_s": 0.005, "best_s": 0.005},
+       "chunked_s": {"gb_s": 200.0, "median_s": 0.01, "best_s": 0.01}}
+
+
+def test_mode_stats_are_medians_of_the_timed_pushes_per_path():
+    records = [_rec("fast", True, 3.0), _rec("native", True, 9.0),
+               _rec("fast", False, 0.02), _rec("native", False, 0.2),
+               _rec("fast", False, 0.01), _rec("native", False, 0.1),
+               _rec("fast", False, 0.04), _rec("native", False, 0.3)]
+    s = b.mode_stats(records, 2 * GB, RAW)
+    assert list(s) == ["fast", "native"]
+    assert s["fast"]["n"] == 3 and s["fast"]["median"]["wire_s"] == pytest.approx(0.02)
+    assert s["native"]["median"]["wire_s"] == pytest.approx(0.2)
+    assert s["fast"]["warmup"]["wire_s"] == 3.0  # warm-ups are kept apart, not in the medians
+    assert s["fast"]["sync_gb_s"] == pytest.approx(100.0)
+    assert s["fast"]["vs_raw_single"] == pytest.approx(0.25) and s["fast"]["vs_raw_chunked"] == pytest.approx(0.5)
+    assert s["native"]["sync_gb_s"] == pytest.approx(10.0)
+    assert "vs_raw_single" not in b.mode_stats(records, 2 * GB, None)["fast"]
+
+
+class FakeServer:
+    """Served weights as a dict; ``stale`` = a tensor the fast path skips, ``garble`` = one it writes wrong."""
+
+    def __init__(self, workers=2, stale=None, garble=None):
+        self.served: dict[str, float] = {}
+        self.ver, self.workers, self.stale, self.garble = 0, workers, stale, garble
+        self.weights = {"a": 1.0, "b": 2.0, "c": 3.0}
+        self.log: list[str] = []
+
+    def perturb(self):
+        self.weights = {k: v + 0.5 for k, v in self.weights.items()}
+
+    def push(self, mode):
+        for k, v in self.weights.items():
+            if mode == "fast" and k == self.stale:
+                continue
+            self.served[k] = v + (100.0 if mode == "fast" and k == self.garble else 0.0)
+        self.ver += 1
+        self.log.append(mode)
+        return {**_rec(mode, False, 0.1), "ver": self.ver}
+
+    def digest(self):
+        text = json.dumps(sorted(self.served.items()))
+        return {"engine": "fake", "ver": self.ver,
+                "digests": [hashlib.sha256(f"{w}{text}".encode()).hexdigest()[:16] for w in range(self.workers)]}
+
+
+def test_run_pushes_alternates_and_a_correct_fast_path_passes_the_digest_check():
+    srv = FakeServer()
+    res = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
+    assert [r["mode"] for r in res["records"]] == ["fast", "native"] * 3
+    assert [r["warmup"] for r in res["records"]] == [True, True, False, False, False, False]
+    assert res["records"][0]["first"] and not res["records"][1]["first"]
+    d = res["digest"]
+    assert [s["mode"] for s in d["steps"]] == ["fast", "native", "native", "fast"]
+    assert srv.log[-4:] == ["fast", "native", "native", "fast"]
+    assert d["digest_equal"] and d["changes_with_weights"] and d["changes_on_every_worker"] and d["ok"]
+    assert b.digest_verdict(d) == "equal"
+
+
+def test_a_fast_path_that_leaves_a_tensor_stale_is_caught_by_the_fast_then_native_pair():
+    srv = FakeServer(stale="b")
+    d = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 1)["digest"]
+    assert not d["fast_then_native_equal"]  # fast left "b" from the previous weights; native then loaded it
+    assert d["native_then_fast_equal"]  # the pair the brief sketches alone would not see it
+    assert not d["digest_equal"] and not d["ok"] and b.digest_verdict(d) == "MISMATCH"
+
+
+def test_a_fast_path_that_writes_wrong_values_fails_both_pairs():
+    srv = FakeServer(garble="c")
+    d = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 1)["digest"]
+    assert not d["fast_then_native_equal"] and not d["native_then_fast_equal"] and not d["ok"]
+
+
+def test_digest_route_errors_and_ver_mismatches_are_reported_not_raised():
+    srv = FakeServer()
+
+    def missing():
+        raise RuntimeError("GET /sync/digest -> 404")
+
+    d = b.run_pushes(srv.push, srv.perturb, missing, ["fast", "native"], 1)["digest"]
+    assert d["ok"] is False and "404" in d["error"] and b.digest_verdict(d) == "ERROR"
+    d = b.run_pushes(srv.push, srv.perturb, lambda: {**srv.digest(), "ver": 0}, ["fast", "native"], 1)["digest"]
+    assert d["ok"] is False and "ver" in d["error"]
+    # one path only: no digest check (nothing to compare)
+    assert b.run_pushes(srv.push, srv.perturb, srv.digest, ["native"], 1)["digest"] is None
+
+
+def test_server_log_lines_and_fast_effectiveness():
+    text = "\n".join([
+        "2026 INFO [rollout_server 1] rollout_server.engines.vllm: fast update: 680 tensors, 2.05 GB, 4 chunks: ...",
+        "2026 INFO [rollout_server 1] rollout_server.engines.vllm: nccl update: 680 tensors, 2.05 GB: ...",
+        "2026 INFO [rollout_server 1] uvicorn: GET /health 200",
+    ])
+    lines = b.server_log_lines(text)
+    assert lines == ["fast update: 680 tensors, 2.05 GB, 4 chunks: ...", "nccl update: 680 tensors, 2.05 GB: ..."]
+    counts = b.log_counts(lines)
+    assert counts == {"fast": 1, "native": 1, "fast_refused": 0}
+    records = [{"mode": "fast"}, {"mode": "native"}]
+    assert b.count_fast_pushes(records, {"steps": [{"mode": "fast"}, {"mode": "native"}]}) == 2
+    assert b.fast_effective(counts, 1) and not b.fast_effective(counts, 2)
+    refused = b.log_counts(b.server_log_lines("x vllm: fast weight load refused (tied)\nx vllm: fast update: 1"))
+    assert not b.fast_effective(refused, 1)
+
+
+def _result(digest_ok=True, fast_effective=True):
+    srv = FakeServer(stale=None if digest_ok else "a")
+    res = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
+    return {"preset": "0.5b", "tp": 1, "bytes": 2 * GB, "chunks": 4, "raw": RAW, "fast_effective": fast_effective,
+            "modes": b.mode_stats(res["records"], 2 * GB, RAW), "digest": res["digest"]}
+
+
+def test_table_has_one_row_per_preset_and_path_and_flags_problems():
+    rows = b.table([_result(), {**_result(), "preset": "7b", "tp": 2}]).splitlines()
+    assert len(rows) == 2 + 4
+    assert rows[2].startswith("| 0.5b | 1 | 2.00 | 4 | fast |")
+    assert rows[3].startswith("| 0.5b | 1 | 2.00 | 4 | native |")
+    assert rows[4].startswith("| 7b | 2 |")
+    assert all(r.rstrip().endswith("| equal |") for r in rows[2:])
+    assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
+    bad = b.table([_result(digest_ok=False, fast_effective=False)])
+    assert "MISMATCH" in bad and "REFUSED" in bad
+
+
+def test_exit_code_is_non_zero_on_a_digest_mismatch_or_a_refused_fast_path(monkeypatch, tmp_path):
+    out = tmp_path / "r.json"
+    for result, code in ((_result(), 0), (_result(digest_ok=False), 2), (_result(fast_effective=False), 1)):
+        monkeypatch.setattr(b, "bench_preset", lambda preset, args, tmp, r=result: r)
+        assert b.main(["--presets", "0.5b", "--out", str(out)]) == code
+        assert json.loads(out.read_text())[0]["preset"] == "0.5b"
+    assert b.run_ok(_result(), ["native"]) == []  # one path: no digest check owed
+
+    def boom(preset, args, tmp):
+        raise RuntimeError("server exited 3")
+
+    monkeypatch.setattr(b, "bench_preset", boom)
+    assert b.main(["--presets", "0.5b", "--out", str(out)]) == 1
+
+
+# ------------------------------------------------------------------------------------ gpu_session.sh
+
+
+def test_gpu_session_script_parses():
+    r = subprocess.run(["bash", "-n", str(REPO / "bench/gpu_session.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _write_run(run: Path, overlap: bool) -> None:
+    run.mkdir(parents=True)
+    lines = []
+    for s in range(8):
+        r = {"global_step": s + 1, "stage2_ab/async/step_kind_b": s % 2, "stage2_ab/async/ver_current": s // 2 + 1,
+             "time/sync_stall": 0.0, "time/forward_backward": 0.2, "sync/failures": 0}
+        if overlap:
+            r.update({"sync/started": int(s % 2 == 0), "sync/in_flight": int(s % 2 == 0),
+                      "time/sync_stall": 0.01 if s % 2 == 0 else 0.002})
+        elif s % 2 == 0:
+            r.update({"time/sync_total": 1.5, "time/sync_stall": 9.0 if s == 0 else 1.5})
+        lines.append(json.dumps(r))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"torn")
+
+
+def test_session_part_e_prints_run_evidence_and_the_stall_comparison(tmp_path):
+    _write_run(tmp_path / "runs/blocking", overlap=False)
+    _write_run(tmp_path / "runs/overlap", overlap=True)
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", str(REPO / "bench/gpu_session.sh"), "E", str(tmp_path / "runs/blocking"),
+                        str(tmp_path / "runs/overlap")], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "[blocking] blocking: records 8, optimizer steps 8, B steps 4" in r.stdout
+    assert "[overlap] overlap:" in r.stdout
+    assert "blocking 1.5s (blocking) vs overlap 0.01s (overlap)" in r.stdout  # the first sync is left out
+    ev = json.loads((tmp_path / "out/evidence-E.json").read_text())
+    assert ev["blocking"]["sync_stall_sync_steps"]["max"] == 9.0
+    assert ev["overlap"]["vers"] == [1, 2, 3, 4] and ev["overlap"]["ver_monotonic"]
