@@ -129,10 +129,14 @@ class Learner:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # find_unused_parameters: a pack without images leaves the vision tower unused on that rank.
-            self.model = DDP(
-                model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                find_unused_parameters=True, forward_sync_buffers=False,  # buffers (rope) are constant
-            )
+            # Buffers (rope) are constant: no per-forward broadcast. torch >= 2.13 names that switch
+            # forward_sync_buffers; 2.11 (the GPU image) only has broadcast_buffers.
+            import inspect
+
+            no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                       else "broadcast_buffers")
+            self.model = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+                             find_unused_parameters=True, **{no_sync: False})
         else:
             self.model = model
         from actor.encode import encoder_from_config
