@@ -26,7 +26,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|X4|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|X4|Y|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -314,12 +314,21 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
       "$OUT/baseline-1p1-blocking.log"
     rm -f "$OUT/baseline-1p1-blocking.log"
     ;;
+  Y)  # ~5 min, 1 call: fast vs native side by side after the fast path learned compute steps (0.5b + 7b TP 1,
+      # 1.5b TP 2); the benches build their own config-only model dirs, so no setup beyond the env check
+    BUDGET=${BUDGET:-380}
+    step bench-y 235 $BENCH --presets 0.5b,7b --weight-load fast,native --syncs 5 \
+      --log-dir "$OUT/bench-logs" --out "$OUT/bench-y.json"
+    step bench-y-tp2 125 $BENCH --presets 1.5b --weight-load fast,native --syncs 4 --tp 2 --server-gpus 0,1 \
+      --learner-gpu 2 --log-dir "$OUT/bench-logs" --out "$OUT/bench-y-tp2.json"
+    bundle logs-Y.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|X4|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|X4|Y|E" >&2
     exit 2
     ;;
 esac

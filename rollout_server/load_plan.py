@@ -13,9 +13,14 @@ intercepts every aten op writing into a parameter or buffer of the model and doe
 
 * ``copy_(param_view, src)`` with ``src`` a view of a receive buffer -> a recorded copy;
 * ``fill_`` / ``zero_`` of a parameter view -> a recorded fill (e.g. vocabulary padding);
-* anything else that writes model storage (arithmetic, ``index_copy_``, a copy from a tensor the
-  loader computed, ``param.data = ...`` rebinding) -> :class:`PlanError`, and the caller keeps the
-  native path. So a loader that transforms values can never be replayed wrongly: it is refused.
+* an op that reads received bytes and makes a new tensor (``contiguous`` of a permuted view, ``cat``,
+  a dtype cast: vLLM's conv patch-embedding loader does this) -> a recorded *compute* step, replayed
+  into the same output tensor each sync, so a later copy from it is a copy from received bytes too
+  (such intermediates stay allocated: at most :data:`MAX_DERIVED_BYTES`);
+* anything else that writes model storage (arithmetic into a parameter, ``index_copy_``, a copy
+  from a tensor not derived from received bytes, ``param.data = ...`` rebinding), or a loader that
+  branches on received values (``item()``) -> :class:`PlanError`, and the caller keeps the native
+  path. So a loader whose effect a replay cannot reproduce is refused, never replayed wrongly.
 
 Every written parameter must be covered exactly (written elements == its size, checked with a mask
 where writes overlap); parameters the stream never touches are counted and reported.
@@ -52,6 +57,11 @@ NUM_BUFFERS = 2
 _ALIGN = 64  # bytes: every slot can be viewed as any protocol dtype
 
 _FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+#: Ops that hand received values to Python: a loader branching on them cannot be replayed.
+_READS_VALUES = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+                 torch.ops.aten.equal.default}
+#: Intermediate tensors a plan may keep (outputs of recorded compute steps), per worker.
+MAX_DERIVED_BYTES = 1 << 30
 
 
 class PlanError(RuntimeError):
@@ -118,27 +128,66 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-class _Recorder(TorchDispatchMode):
-    """Runs a loader with every write into model storage recorded instead of executed."""
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
 
-    def __init__(self, targets: dict[int, str], sources: set[int]) -> None:
+
+class _Recorder(TorchDispatchMode):
+    """Runs a loader with every write into model storage recorded instead of executed.
+
+    ``sources`` grows: the storage of every tensor computed from received bytes joins it, so a copy
+    from such a tensor is replayable once the compute step that made it is replayed first.
+    """
+
+    def __init__(self, targets: dict[int, str], sources: set[int], derived_bytes: int = 0) -> None:
         super().__init__()
         self.targets, self.sources = targets, sources
-        self.ops: list[tuple] = []  # ("copy", dst, src) | ("fill", dst, value)
+        self.ops: list[tuple] = []  # ("copy", dst, src) | ("fill", dst, value) | ("compute"|"call", ...)
         self.error: str | None = None
+        self.derived_bytes = derived_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        hits = [t for t in _written(func, args, kwargs) if _storage(t) in self.targets]
-        if not hits:
+        written = _written(func, args, kwargs)
+        hits = [t for t in written if _storage(t) in self.targets]
+        if hits:
+            return self._model_write(func, args, hits)
+        inputs = _tensors(args) + _tensors(kwargs)
+        if not any(_storage(t) in self.sources for t in inputs):
+            return func(*args, **kwargs)  # nothing received flows in: same result every sync
+        if func in _READS_VALUES:
+            self._refuse(f"the loader reads received values ({func}) and may branch on them")
             return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if written:  # in place on an intermediate of received bytes: replay the call itself
+            self.ops.append(("call", func, args, kwargs))
+            return out
+        fresh = [t for t in _tensors(out) if _storage(t) not in {_storage(i) for i in inputs}]
+        if fresh:  # a new tensor computed from received bytes (views need nothing: they alias)
+            self.ops.append(("compute", func, args, kwargs, out))
+            for t in fresh:
+                self.sources.add(_storage(t))
+                self.derived_bytes += t.untyped_storage().nbytes()
+            if self.derived_bytes > MAX_DERIVED_BYTES:
+                self._refuse(f"the loader materialises over {MAX_DERIVED_BYTES >> 20} MB of intermediate tensors")
+        return out
+
+    def _model_write(self, func: Any, args: tuple, hits: list[torch.Tensor]) -> Any:
         name = self.targets[_storage(hits[0])]
         if func is torch.ops.aten.copy_.default:
             src = args[1]
             if isinstance(src, torch.Tensor) and _storage(src) in self.sources:
                 self.ops.append(("copy", args[0], src))
                 return args[0]
-            self._refuse(f"{name!r} is written from a tensor the loader computed (not a received byte range)")
+            what = (f"{src.dtype} {tuple(src.shape)} on {src.device}" if isinstance(src, torch.Tensor)
+                    else type(src).__name__)
+            self._refuse(f"{name!r} is written from a tensor not derived from received bytes ({what})")
         elif func in _FILLS:
             value = 0 if func is torch.ops.aten.zero_.default else args[1]
             if isinstance(value, torch.Tensor):
@@ -164,12 +213,15 @@ class LoadPlan:
     storages: dict[str, int]
     n_copies: int = 0
     n_fills: int = 0
+    n_computes: int = 0
+    derived_bytes: int = 0
     written: list[str] = field(default_factory=list)
     untouched: list[str] = field(default_factory=list)
     record_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         return {"key": self.key, "chunks": len(self.layouts), "copies": self.n_copies, "fills": self.n_fills,
+                "computes": self.n_computes, "derived_bytes": self.derived_bytes,
                 "params_written": len(self.written), "params_untouched": len(self.untouched),
                 "untouched": self.untouched[:8], "record_s": round(self.record_s, 4)}
 
@@ -219,14 +271,16 @@ def record_plan(model: torch.nn.Module, load_fn: Callable[[list[tuple[str, torch
     sources = {_storage(b) for b in buffers}
     snap = _snapshot(model)
     ops: list[list[tuple]] = []
+    derived = 0
     try:
         for k, layout in enumerate(layouts):
-            rec = _Recorder(targets, sources)
+            rec = _Recorder(targets, sources, derived)
             with torch.no_grad(), rec:
                 load_fn(chunk_views(buffers[k % len(buffers)], layout))
             if rec.error:
                 raise PlanError(rec.error)
             ops.append(rec.ops)
+            derived = rec.derived_bytes
     finally:
         fixed = _restore(snap)
     if fixed:
@@ -234,7 +288,9 @@ def record_plan(model: torch.nn.Module, load_fn: Callable[[list[tuple[str, torch
     counts: dict[int, int] = {}
     dsts: dict[int, list[torch.Tensor]] = {}
     for chunk_ops in ops:
-        for _, dst, _ in chunk_ops:
+        for kind, dst, *_ in chunk_ops:
+            if kind not in ("copy", "fill"):
+                continue
             counts[_storage(dst)] = counts.get(_storage(dst), 0) + dst.numel()
             dsts.setdefault(_storage(dst), []).append(dst)
     written, untouched = [], []
@@ -251,6 +307,7 @@ def record_plan(model: torch.nn.Module, load_fn: Callable[[list[tuple[str, torch
     return LoadPlan(key=layout_key(layouts), layouts=list(layouts), ops=ops,
                     storages={n: _storage(t) for n, t in tensors.items()},
                     n_copies=sum(op[0] == "copy" for op in flat), n_fills=sum(op[0] == "fill" for op in flat),
+                    n_computes=sum(op[0] in ("compute", "call") for op in flat), derived_bytes=derived,
                     written=written, untouched=untouched, record_s=time.perf_counter() - t0)
 
 
@@ -266,11 +323,18 @@ def _covers(t: torch.Tensor, views: list[torch.Tensor]) -> bool:
 
 
 def _replay(ops: list[tuple]) -> None:
-    for kind, dst, arg in ops:
+    for op in ops:
+        kind = op[0]
         if kind == "copy":
-            dst.copy_(arg)
-        else:
-            dst.fill_(arg)
+            op[1].copy_(op[2])
+        elif kind == "fill":
+            op[1].fill_(op[2])
+        elif kind == "compute":  # recompute from this sync's bytes into the tensor later ops read
+            _, func, args, kwargs, out = op
+            for old, new in zip(_tensors(out), _tensors(func(*args, **kwargs))):
+                old.copy_(new)
+        else:  # "call": in place on such an intermediate
+            op[1](*op[2], **op[3])
 
 
 def _wait(event: Any, deadline: float, what: str) -> None:

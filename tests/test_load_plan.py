@@ -2,7 +2,9 @@
 
 The model here loads like vLLM's layers do (weight_loader per parameter): fused q/k/v and gate/up
 rows, a tensor-parallel slice (this "worker" is rank 1 of 2), vocabulary padding zeroed with fill_,
-and an fp32 norm fed bf16 bytes. Native = calling its load_weights on real tensors; fast = the plan.
+an fp32 norm fed bf16 bytes, and a patch embedding whose loader makes a contiguous copy of a
+permuted view first (as vLLM's conv patch embedding does). Native = calling its load_weights on real
+tensors; fast = the plan.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class VllmLike(torch.nn.Module):
         self.down = torch.nn.Parameter(torch.zeros(H, FF // TP, dtype=bf), requires_grad=False)  # row-parallel shard
         self.embed = torch.nn.Parameter(torch.zeros(PAD_VOCAB, H, dtype=bf), requires_grad=False)
         self.norm = torch.nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
+        self.patch = torch.nn.Parameter(torch.zeros(4, 6, dtype=bf), requires_grad=False)
         self.register_buffer("inv_freq", torch.arange(4, dtype=torch.float32))  # never sent
         self.mode = mode
 
@@ -46,7 +49,9 @@ class VllmLike(torch.nn.Module):
                 start, n = rows[key]
                 dst = self.qkv.data.narrow(0, start, n)
                 if self.mode == "scaled" and key == "k_proj":
-                    dst.copy_(w * 2)  # a loader that computes values: must be refused
+                    dst.copy_(w * 2)  # arithmetic on received bytes: replayed as a compute step
+                elif self.mode == "internal" and key == "k_proj":
+                    dst.copy_(self.gate_up.data[:KV])  # from the model itself, not the stream: refused
                 else:
                     dst.copy_(w)
             elif key in ("gate_proj", "up_proj"):
@@ -62,7 +67,11 @@ class VllmLike(torch.nn.Module):
                 self.embed.data[:VOCAB].copy_(w)
                 if self.mode != "hole":
                     self.embed.data[VOCAB:].fill_(0)
+            elif key == "proj":  # a computed intermediate: contiguous() of a permuted view
+                self.patch.data.copy_(w.permute(0, 2, 1).contiguous().view(4, 6))
             elif key == "norm":
+                if self.mode == "item" and w.float().abs().sum().item() < 0:
+                    continue
                 if self.mode == "index":
                     self.norm.data.index_copy_(0, torch.arange(H), w.float())
                 else:
@@ -74,7 +83,7 @@ class VllmLike(torch.nn.Module):
 HF = [("model.layers.0.self_attn.q_proj.weight", [H, H]), ("model.layers.0.self_attn.k_proj.weight", [KV, H]),
       ("model.layers.0.self_attn.v_proj.weight", [KV, H]), ("model.layers.0.mlp.gate_proj.weight", [FF, H]),
       ("model.layers.0.mlp.up_proj.weight", [FF, H]), ("model.layers.0.mlp.down_proj.weight", [H, FF]),
-      ("model.embed_tokens.weight", [VOCAB, H]), ("model.norm.weight", [H])]
+      ("model.embed_tokens.weight", [VOCAB, H]), ("model.norm.weight", [H]), ("visual.patch_embed.proj.weight", [4, 3, 2])]
 
 
 def hf_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -115,9 +124,10 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), n
 
 
+@pytest.mark.parametrize("mode", ["pure", "scaled"])
 @pytest.mark.parametrize("bucket_bytes", [1, 600, 1 << 20])  # a chunk per tensor, a few chunks, one chunk
-def test_replayed_plan_equals_the_native_load_for_every_sync(bucket_bytes: int) -> None:
-    model = VllmLike()
+def test_replayed_plan_equals_the_native_load_for_every_sync(bucket_bytes: int, mode: str) -> None:
+    model = VllmLike(mode)
     loader = FastLoader(model, torch.device("cpu"))
     for sync, seed in enumerate((1, 2, 3)):
         weights = hf_weights(seed)
@@ -125,8 +135,9 @@ def test_replayed_plan_equals_the_native_load_for_every_sync(bucket_bytes: int) 
         info = loader.prepare(layouts)
         assert info["recorded"] is (sync == 0)  # recorded once, reused while the layout holds
         loader.receive(replaying(chunks), deadline=float("inf"))
-        same(model, native(weights))
-    assert info["copies"] == 8 and info["fills"] == 1
+        same(model, native(weights, mode))
+    assert info["copies"] == 9 and info["fills"] == 1
+    assert info["computes"] == (1 if mode == "pure" else 2)  # contiguous() of the patch (+ w * 2)
     assert info["untouched"] == ["inv_freq"]
 
 
@@ -141,7 +152,8 @@ def test_recording_writes_nothing_into_the_model() -> None:
 
 
 @pytest.mark.parametrize("mode, why", [
-    ("scaled", "computed"), ("index", "index_copy"), ("hole", "writes 800 of its 1024"), ("rebind", "rebinds"),
+    ("internal", "not derived from received bytes"), ("index", "index_copy"), ("hole", "writes 800 of its 1024"),
+    ("rebind", "rebinds"), ("item", "reads received values"),
 ])
 def test_loaders_that_do_more_than_place_bytes_are_refused(mode: str, why: str) -> None:
     model = VllmLike(mode)
@@ -175,7 +187,7 @@ def test_record_plan_rejects_a_write_from_outside_the_receive_buffers() -> None:
     def load_from_other(views):  # the loader ignores what it is given and copies from elsewhere
         from rollout_server.load_plan import chunk_views
         model.load_weights(chunk_views(other[0], layouts[0]))
-    with pytest.raises(PlanError, match="computed"):
+    with pytest.raises(PlanError, match="not derived from received bytes"):
         record_plan(model, load_from_other, layouts, own)
 
 
