@@ -151,6 +151,7 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[tuple] = []  # ("copy", dst, src) | ("fill", dst, value) | ("compute"|"call", ...)
         self.error: str | None = None
         self.derived_bytes = derived_bytes
+        self.derived_by: dict[str, int] = {}  # op -> bytes it materialised (named in the refusal)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
@@ -165,18 +166,28 @@ class _Recorder(TorchDispatchMode):
             self._refuse(f"the loader reads received values ({func}) and may branch on them")
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if written:  # in place on an intermediate of received bytes: replay the call itself
+        if written:  # in place into a scratch tensor (e.g. empty() then copy_ of received bytes): replay the call
             self.ops.append(("call", func, args, kwargs))
-            return out
-        fresh = [t for t in _tensors(out) if _storage(t) not in {_storage(i) for i in inputs}]
-        if fresh:  # a new tensor computed from received bytes (views need nothing: they alias)
-            self.ops.append(("compute", func, args, kwargs, out))
-            for t in fresh:
-                self.sources.add(_storage(t))
-                self.derived_bytes += t.untyped_storage().nbytes()
-            if self.derived_bytes > MAX_DERIVED_BYTES:
-                self._refuse(f"the loader materialises over {MAX_DERIVED_BYTES >> 20} MB of intermediate tensors")
+            self._derive(func, [t for t in written if _storage(t) not in self.sources])
+        else:  # a new tensor computed from received bytes (views need nothing: they alias)
+            fresh = [t for t in _tensors(out) if _storage(t) not in {_storage(i) for i in inputs}]
+            if fresh:
+                self.ops.append(("compute", func, args, kwargs, out))
+                self._derive(func, fresh)
         return out
+
+    def _derive(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` now hold received bytes each replay: copies from them are replayable."""
+        for t in tensors:
+            if _storage(t) in self.sources:
+                continue
+            self.sources.add(_storage(t))
+            self.derived_bytes += t.untyped_storage().nbytes()
+            self.derived_by[str(func)] = self.derived_by.get(str(func), 0) + t.untyped_storage().nbytes()
+        if self.derived_bytes > MAX_DERIVED_BYTES:
+            top = sorted(self.derived_by.items(), key=lambda kv: -kv[1])[:3]
+            self._refuse(f"the loader materialises over {MAX_DERIVED_BYTES >> 20} MB of intermediate tensors "
+                         f"(this chunk, by op: {', '.join(f'{k} {v >> 20} MB' for k, v in top)})")
 
     def _model_write(self, func: Any, args: tuple, hits: list[torch.Tensor]) -> Any:
         name = self.targets[_storage(hits[0])]

@@ -72,6 +72,11 @@ class VllmLike(torch.nn.Module):
             elif key == "norm":
                 if self.mode == "item" and w.float().abs().sum().item() < 0:
                     continue
+                if self.mode == "staged":  # into a scratch tensor first, then into the parameter
+                    tmp = torch.empty(H, dtype=torch.float32)
+                    tmp.copy_(w)
+                    self.norm.data.copy_(tmp)
+                    continue
                 if self.mode == "index":
                     self.norm.data.index_copy_(0, torch.arange(H), w.float())
                 else:
@@ -124,7 +129,7 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), n
 
 
-@pytest.mark.parametrize("mode", ["pure", "scaled"])
+@pytest.mark.parametrize("mode", ["pure", "scaled", "staged"])
 @pytest.mark.parametrize("bucket_bytes", [1, 600, 1 << 20])  # a chunk per tensor, a few chunks, one chunk
 def test_replayed_plan_equals_the_native_load_for_every_sync(bucket_bytes: int, mode: str) -> None:
     model = VllmLike(mode)
@@ -137,7 +142,7 @@ def test_replayed_plan_equals_the_native_load_for_every_sync(bucket_bytes: int, 
         loader.receive(replaying(chunks), deadline=float("inf"))
         same(model, native(weights, mode))
     assert info["copies"] == 9 and info["fills"] == 1
-    assert info["computes"] == (1 if mode == "pure" else 2)  # contiguous() of the patch (+ w * 2)
+    assert info["computes"] == (1 if mode == "pure" else 2)  # contiguous() of the patch (+ w * 2 or the scratch copy)
     assert info["untouched"] == ["inv_freq"]
 
 
@@ -163,6 +168,16 @@ def test_loaders_that_do_more_than_place_bytes_are_refused(mode: str, why: str) 
         FastLoader(model, torch.device("cpu")).prepare(layouts)
     assert model.embed is embed and model.embed.data_ptr() == ptr  # a rebinding loader is undone
     assert not model.qkv.any()  # and nothing was written
+
+
+def test_a_loader_that_copies_everything_first_is_refused_naming_the_op(monkeypatch) -> None:
+    import rollout_server.load_plan as lp
+
+    monkeypatch.setattr(lp, "MAX_DERIVED_BYTES", 64)  # the patch embedding's 48-byte copy fits, more does not
+    model = VllmLike("scaled")  # w * 2 for k_proj: 256 more bytes of intermediates
+    layouts, _ = stream(hf_weights(1), 1 << 20)
+    with pytest.raises(PlanError, match=r"intermediate tensors .*aten\.mul\.Tensor"):
+        FastLoader(model, torch.device("cpu")).prepare(layouts)
 
 
 def test_a_new_layout_or_new_model_storage_records_a_new_plan() -> None:

@@ -308,10 +308,14 @@ class VLLMEngine(Engine):
                   "offsets": [list(o) for o in header.offsets], "bucket_bytes": self._bucket_bytes}
         t0 = time.monotonic()
         plans = await self.llm.collective_rpc("tandem_prepare", kwargs={"layout": layout})
-        refused = [p.get("reason", "?") for p in plans if not p.get("ok")]
+        refused = [p for p in plans if not p.get("ok")]
         if refused:
-            self._fast_refused = refused[0]
-            log.warning("fast weight load refused (%s); vLLM's native update_weights from now on", refused[0])
+            lasting = [p for p in refused if not p.get("transient")]
+            if not lasting:
+                log.info("fast weight load deferred (%s)", refused[0].get("reason", "?"))
+                return False
+            self._fast_refused = lasting[0].get("reason", "?")
+            log.warning("fast weight load refused (%s); vLLM's native update_weights from now on", self._fast_refused)
             return False
         t1 = time.monotonic()
         self._fast_updated = True  # from here the served weights are being overwritten in place

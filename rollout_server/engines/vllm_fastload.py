@@ -39,7 +39,18 @@ class TandemWorkerExtension:
         return model if model is not None else self.model_runner.model  # type: ignore[attr-defined]
 
     def tandem_prepare(self, layout: dict[str, Any]) -> dict[str, Any]:
-        """``{"ok": True, ...plan summary}`` or ``{"ok": False, "reason": ...}``; never raises."""
+        """``{"ok": True, ...plan summary}`` or ``{"ok": False, "reason": ..., "transient": bool}``; never raises.
+
+        Transient: vLLM's layerwise-reload wrappers are still on the weight loaders (seen on a server
+        started with ``load_format=dummy``, whose first update goes through them), so recording now
+        would capture their buffering. One native update unwraps them; the next sync tries again.
+        """
+        wrapped = [n for n, p in self._tandem_model().named_parameters()
+                   if getattr(getattr(p, "weight_loader", None), "__name__", "") == "online_process_loader"]
+        if wrapped:
+            return {"ok": False, "transient": True,
+                    "reason": f"{len(wrapped)} weight loaders still carry vLLM's layerwise-reload wrapper "
+                              f"({wrapped[0]!r} first): native for this sync"}
         try:
             quant = getattr(self.model_config, "quantization", None)  # type: ignore[attr-defined]
             if quant:

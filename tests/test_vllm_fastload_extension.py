@@ -1,0 +1,76 @@
+"""tandem's vLLM worker extension (rollout_server/engines/vllm_fastload.py) on a worker-shaped host.
+
+vLLM mixes the extension into its GPU worker; here the host carries the attributes the extension
+reads from that worker (model_config.quantization, device, weight_transfer_engine.model and its
+model_update_group) around the vLLM-like model of tests/test_load_plan.py, on CPU. The GPU run of
+the real thing is tests/test_gpu_vllm.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from rollout_server import weights as W
+from rollout_server.engines.vllm_fastload import TandemWorkerExtension
+from tests.test_load_plan import VllmLike, hf_weights, native, same, stream
+
+
+class Group:
+    """The communicator's broadcast, fed from the learner's packed chunks."""
+
+    def __init__(self, chunks):
+        self.chunks = iter(chunks)
+
+    def broadcast(self, buf, src, stream=None):
+        assert src == 0
+        buf.copy_(next(self.chunks))
+
+
+class Worker(TandemWorkerExtension):
+    def __init__(self, quantization=None):
+        self.model_config = SimpleNamespace(quantization=quantization)
+        self.device = torch.device("cpu")
+        self.weight_transfer_engine = SimpleNamespace(model=VllmLike(), model_update_group=None)
+
+
+def layout_of(weights, bucket_bytes=600):
+    specs = [("bfloat16", list(t.shape)) for _, t in weights]
+    return {"names": [n for n, _ in weights], "dtypes": [d for d, _ in specs], "shapes": [s for _, s in specs],
+            "offsets": [list(o) for o in W.packed_offsets(specs)], "bucket_bytes": bucket_bytes}
+
+
+def test_prepare_then_receive_loads_what_the_native_loaders_would():
+    w = Worker()
+    for seed in (1, 2):
+        weights = hf_weights(seed)
+        info = w.tandem_prepare(layout_of(weights))
+        assert info["ok"] and info["recorded"] is (seed == 1), info
+        w.weight_transfer_engine.model_update_group = Group(stream(weights, 600)[1])
+        out = w.tandem_receive(timeout_s=30)
+        assert out["bytes"] == sum(t.numel() * 2 for _, t in weights)
+        same(w.weight_transfer_engine.model, native(weights))
+    assert w.tandem_digest() == W.exact_digest(native(hf_weights(2)).named_parameters())
+
+
+def test_layerwise_reload_wrappers_defer_the_fast_path_for_one_sync_only():
+    w = Worker()
+    model = w.weight_transfer_engine.model
+
+    def online_process_loader(*a, **k):  # the name vLLM's layerwise-reload wrapper carries
+        raise AssertionError("must not be called while recording")
+    model.qkv.weight_loader = online_process_loader
+    info = w.tandem_prepare(layout_of(hf_weights(1)))
+    assert not info["ok"] and info["transient"] and "'qkv'" in info["reason"], info
+    del model.qkv.weight_loader  # what vLLM's native update does once the layer is loaded
+    assert w.tandem_prepare(layout_of(hf_weights(1)))["ok"]
+
+
+def test_quantized_models_and_computing_loaders_are_refused_for_good():
+    info = Worker(quantization="fp8").tandem_prepare(layout_of(hf_weights(1)))
+    assert not info["ok"] and not info.get("transient") and "quantized" in info["reason"]
+    w = Worker()
+    w.weight_transfer_engine.model.mode = "index"
+    info = w.tandem_prepare(layout_of(hf_weights(1)))
+    assert not info["ok"] and not info.get("transient") and "index_copy" in info["reason"]
