@@ -17,8 +17,7 @@
 #   bash bench/gpu_session.sh X2   # bench 7b fast vs native TP 1; bench 1.5b TP 2 (server GPUs 0,1, learner 2)
 #   bash bench/gpu_session.sh X3   # launcher 2+2 (configs/gpu/split_2p2.yaml, 50 steps) blocking, then the
 #                                  # same with sync_mode=overlap; run evidence + sync stall medians
-#   bash bench/gpu_session.sh X4   # optional: 2+2 blocking, then 1+1 overlap on GPUs 0/1 (60 steps) next to
-#                                  # a 1+1 blocking baseline on GPUs 2/3 (X4_BASELINE=0: no baseline)
+#   bash bench/gpu_session.sh Y    # fast vs native weight load: bench 0.5b + 7b TP 1, 1.5b TP 2
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -26,7 +25,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|X4|Y|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -50,7 +49,7 @@ step() {  # step NAME DEADLINE_S CMD...   (env: KILL_AFTER, SIGKILL this long af
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   echo "=== [$(( $(date +%s) - T0 ))s] $name (deadline ${limit}s): $*" | tee -a "$LOG"
-  timeout --kill-after="$kill_after" "$limit" "$@" >>"${STEP_LOG:-$LOG}" 2>&1
+  timeout --kill-after="$kill_after" "$limit" "$@" >>"$LOG" 2>  timeout --kill-after="$kill_after" "$limit" "$@" >>"${STEP_LOG:-$LOG}" 2>&11
   local rc=$?
   echo "=== [$(( $(date +%s) - T0 ))s] $name -> rc=$rc" | tee -a "$LOG"
   return 0
@@ -283,37 +282,6 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     bundle logs-X3.tar.gz runs/gpu-2p2/logs runs/gpu-2p2-overlap/logs runs/gpu-2p2/summary.json \
       runs/gpu-2p2-overlap/summary.json
     ;;
-  X4)  # ~8 min (optional): 2+2 blocking 50 steps ~180 s, then 1+1 overlap 60 steps ∥ 1+1 blocking baseline ~140 s
-    BUDGET=${BUDGET:-540}
-    setup_x
-    rm -rf runs/gpu-2p2 runs/gpu-1p1-overlap runs/gpu-1p1-blocking
-    KILL_AFTER=40 step launcher-2p2 270 python3 -m launcher --config configs/gpu/split_2p2.yaml training.max_steps=50 \
-      --grace-s 20
-    step evidence-2p2 30 bash -c 'evidence runs/gpu-2p2; run_logs runs/gpu-2p2'
-    bpid=
-    if [ "${X4_BASELINE:-1}" = 1 ]; then  # same config, blocking, on the other two GPUs (own ports), at the same time
-      KILL_AFTER=40 STEP_LOG="$OUT/baseline-1p1-blocking.log" step launcher-1p1-blocking 230 python3 -m launcher \
-        --config configs/gpu/split_1p1.yaml training.max_steps=60 stage2_ab.channel_b.async.sync_mode=blocking \
-        training.output_dir=runs/gpu-1p1-blocking run_name=gpu-1p1-blocking \
-        'rollout_server.gpus=[2]' 'learner.gpus=[3]' \
-        rollout_server.port=8411 'rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8411"}]' \
-        transport.base_port=5730 --grace-s 20 &
-      bpid=$!
-    fi
-    KILL_AFTER=40 step launcher-1p1-overlap 230 python3 -m launcher --config configs/gpu/split_1p1.yaml \
-      training.max_steps=60 stage2_ab.channel_b.async.sync_mode=overlap training.output_dir=runs/gpu-1p1-overlap \
-      run_name=gpu-1p1-overlap --grace-s 20
-    [ -n "$bpid" ] && wait "$bpid"
-    step evidence-1p1 30 bash -c "evidence --json '$OUT/evidence-X4.json' runs/gpu-2p2 runs/gpu-1p1-overlap \
-      runs/gpu-1p1-blocking runs/gpu-1p1; run_logs runs/gpu-1p1-overlap runs/gpu-1p1-blocking"
-    for r in gpu-2p2 gpu-1p1-overlap gpu-1p1-blocking; do
-      cp "runs/$r/metrics.jsonl" "$OUT/metrics-$r.jsonl" 2>/dev/null
-    done
-    bundle logs-X4.tar.gz runs/gpu-2p2/logs runs/gpu-1p1-overlap/logs runs/gpu-1p1-blocking/logs \
-      runs/gpu-2p2/summary.json runs/gpu-1p1-overlap/summary.json runs/gpu-1p1-blocking/summary.json \
-      "$OUT/baseline-1p1-blocking.log"
-    rm -f "$OUT/baseline-1p1-blocking.log"
-    ;;
   Y)  # ~5 min, 1 call: fast vs native side by side after the fast path learned compute steps (0.5b + 7b TP 1,
       # 1.5b TP 2); the benches build their own config-only model dirs, so no setup beyond the env check
     BUDGET=${BUDGET:-380}
@@ -328,7 +296,7 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|X4|Y|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y|E" >&2
     exit 2
     ;;
 esac

@@ -375,7 +375,7 @@ class FastLoader:
         if self.buffers and self.buffers[0].numel() >= nbytes:
             return
         self.plan = None  # its views point into the old buffers
-        self.buffers = []
+        self.buffers = []  # free the old slots before allocating the new ones
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_BUFFERS)]
 
     def _stale(self, plan: LoadPlan) -> str | None:
@@ -391,7 +391,7 @@ class FastLoader:
         if self.plan is not None and self.plan.key == key and self._stale(self.plan) is None:
             return {"recorded": False, **self.plan.summary()}
         self._ensure_buffers(max(c.nbytes for c in layouts))
-        self.plan = None
+        self.plan = None  # a failed recording leaves no plan behind
         plan = record_plan(self.model, self.load_fn, layouts, self.buffers)
         self.plan = plan
         log.info("fast weight load: plan %s recorded in %.3fs: %d chunks, %d copies, %d fills, %d tensors written, "

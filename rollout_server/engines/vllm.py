@@ -102,7 +102,7 @@ class VLLMEngine(Engine):
         self._received: set[str] = set()
         self._nccl_updating = False
         self._fast_updated = False
-        self._load_mode: str = getattr(srv, "weight_load", "fast")
+        self._load_mode: str = srv.weight_load
         self._fast_refused: str | None = None  # why the fast path is off for good (first refusal)
         self._session_timeout_s = 600.0
         self._group_key: tuple | None = None
@@ -281,7 +281,7 @@ class VLLMEngine(Engine):
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         self._bucket_bytes = req.bucket_bytes
-        self._load_mode = req.weight_load or getattr(self.srv, "weight_load", "fast")
+        self._load_mode = req.weight_load or self.srv.weight_load
         self._session_timeout_s = req.timeout_s
         key = (req.master_addr, req.master_port, req.world_size, req.rank_offset)
         if key == self._group_key:
@@ -307,7 +307,7 @@ class VLLMEngine(Engine):
         layout = {"names": list(header.names), "dtypes": list(header.dtypes), "shapes": header.shapes,
                   "offsets": [list(o) for o in header.offsets], "bucket_bytes": self._bucket_bytes}
         t0 = time.monotonic()
-        plans = await self.llm.collective_rpc("tandem_prepare", kwargs={"layout": layout})
+        plans = await self.llm.collective_rpc("tandem_prepare", timeout=self._session_timeout_s, kwargs={"layout": layout})
         refused = [p for p in plans if not p.get("ok")]
         if refused:
             lasting = [p for p in refused if not p.get("transient")]
@@ -319,7 +319,8 @@ class VLLMEngine(Engine):
             return False
         t1 = time.monotonic()
         self._fast_updated = True  # from here the served weights are being overwritten in place
-        outs = await self.llm.collective_rpc("tandem_receive", kwargs={"timeout_s": self._session_timeout_s})
+        outs = await self.llm.collective_rpc("tandem_receive", timeout=self._session_timeout_s + 5,
+                                             kwargs={"timeout_s": self._session_timeout_s})
         t2 = time.monotonic()
         p = plans[0]
         log.info("fast update: %d tensors, %.2f GB, %d chunks: prepare %.3fs%s, receive+copy %.3fs (%.1f GB/s; "
