@@ -49,7 +49,7 @@ step() {  # step NAME DEADLINE_S CMD...   (env: KILL_AFTER, SIGKILL this long af
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   echo "=== [$(( $(date +%s) - T0 ))s] $name (deadline ${limit}s): $*" | tee -a "$LOG"
-  timeout --kill-after="$kill_after" "$limit" "$@" >>"$LOG" 2>  timeout --kill-after="$kill_after" "$limit" "$@" >>"${STEP_LOG:-$LOG}" 2>&11
+  timeout --kill-after="$kill_after" "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "=== [$(( $(date +%s) - T0 ))s] $name -> rc=$rc" | tee -a "$LOG"
   return 0

@@ -262,3 +262,26 @@ def test_session_part_e_prints_run_evidence_and_the_stall_comparison(tmp_path):
     ev = json.loads((tmp_path / "out/evidence-E.json").read_text())
     assert ev["blocking"]["sync_stall_sync_steps"]["max"] == 9.0
     assert ev["overlap"]["vers"] == [1, 2, 3, 4] and ev["overlap"]["ver_monotonic"]
+
+
+def _run_step(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess, str]:
+    """Run the session script's own `step` function (cut out of the file) with LOG under tmp_path."""
+    script = (REPO / "bench/gpu_session.sh").read_text()
+    start = script.index("step() {")
+    func = script[start:script.index("\n}\n", start) + 3]
+    log = tmp_path / "session.log"
+    prog = f'LOG="{log}"; T0=$(date +%s); BUDGET="${{BUDGET:-}}"\n{func}\n{body}\n'
+    r = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    return r, log.read_text() if log.exists() else ""
+
+
+def test_session_step_logs_output_and_exit_code_and_honours_deadline_and_budget(tmp_path):
+    r, log = _run_step(tmp_path, "step ok 20 bash -c 'echo to-stdout; echo to-stderr >&2; exit 3'\n"
+                                 "step slow 1 sleep 30\n"
+                                 "BUDGET=10 step skipped 60 true")
+    assert r.returncode == 0, r.stderr
+    assert "to-stdout" in log and "to-stderr" in log      # both streams land in the session log
+    assert "ok -> rc=3" in log                              # the step's own exit code, not the script's
+    assert "slow -> rc=124" in log                          # the deadline killed it
+    assert "skipped SKIPPED" in log                         # too little of the budget left: not started
+    assert not list(tmp_path.glob("timeout*")), "a redirection wrote a stray file"
