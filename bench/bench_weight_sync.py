@@ -5,17 +5,18 @@
 
 For each preset (Qwen2.5-VL architecture, ``tools/make_tiny_model.py`` sizes):
 
-1. a model directory with the config, tokenizer and processor only (no weights: the server loads
-   ``load_format=dummy`` random weights, the learner builds the same architecture on its GPU);
+1. a model directory with the config, tokenizer and processor; ``--weights random`` (default) also
+   writes random weights into it (generated on the learner's GPU, saved as safetensors) and the server
+   loads them as any checkpoint; ``--weights dummy`` writes none and the server starts with
+   ``load_format=dummy`` (vLLM's own random init: quicker to set up, but a different load state);
 2. raw NCCL in the same run on the same GPUs: one process per GPU (rank 0 on the learner's GPU, one
    receiver per server GPU, world size 1 + len(server GPUs), as in a sync) ``torch.distributed.broadcast``
    the same number of bytes, once as one buffer and once cut into the sync's packed chunks back to back;
 3. ONE vLLM server (``python -m rollout_server``, ``configs/gpu/split_1p1.yaml`` with the GPU / TP
    overrides) and a learner process that pushes its weights with ``NcclWeightSender``, the load path
    (``--weight-load``: ``fast`` = the server's persistent buffers + copy plan, ``native`` = vLLM's
-   ``update_weights``) chosen per push: one warm-up push per path first (the first also builds the
-   group, the first ``fast`` one records the copy plan), then ``--syncs`` timed pushes per path,
-   alternating path by path (fast, native, fast, native, ...) so both are measured on the same server;
+   ``update_weights``) chosen per push, path by path on the same server: one warm-up push (the first
+   also builds the group, the first ``fast`` one records the copy plan), then ``--syncs`` timed pushes;
 4. with both paths: the correctness check through ``GET /sync/digest`` (an exact digest of every served
    weight, one per server worker): perturb every weight, push ``fast``, digest, push the SAME weights
    ``native``, digest (equal: fast left nothing stale that native loads), perturb again, push
@@ -24,9 +25,16 @@ For each preset (Qwen2.5-VL architecture, ``tools/make_tiny_model.py`` sizes):
    exit code is 2.
 
 Per sync: fence (``/sync/begin``), wire (the one ``/sync/update`` while rank 0 broadcasts, until
-every chunk is loaded), commit (cache resets + ver), total = the learner's stall in blocking mode;
-effective GB/s = bytes / wire. Results: one JSON object per preset in ``--out`` and a markdown table
-on stdout, one row per preset and load path (docs/benchmarks.md).
+every chunk is loaded: HTTP, the engine's worker RPC and the transfer), commit (cache resets + ver),
+total = the learner's stall in blocking mode; sync GB/s = bytes / wire. From the update's reply
+(``SyncBucketResponse.load``): which load path really ran, the worker RPC's time, and the slowest
+worker's receive+copy time on the host (``worker_s``) and on the GPU by CUDA events (``gpu_s``: first
+broadcast enqueued to last copy done); data GB/s = bytes / gpu_s, the data plane alone, compared with
+the raw chunked broadcast of the same bytes. A warm-up push of a path is repeated (up to
+:data:`WARMUP_TRIES`) until that path really ran (a dummy-loaded vLLM defers the fast path until one
+native update has run), so the timed pushes never include a plan recording. Results: one JSON object
+per preset in ``--out`` and a markdown table on stdout, one row per preset and load path
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -49,7 +57,9 @@ sys.path.insert(0, str(REPO))
 PYPATH = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # keep what vLLM was installed under
 
 LOAD_PATHS = ("fast", "native")
-PHASES = ("fence_s", "wire_s", "commit_s", "total_s", "server_update_s")
+PHASES = ("fence_s", "wire_s", "commit_s", "total_s", "server_update_s", "rpc_s", "worker_s", "gpu_s")
+#: Warm-up pushes per path at most, until the server reports that path ran (see the module docstring).
+WARMUP_TRIES = 3
 # Server log lines kept in the result: one per update (which path ran, its own timing) and a refusal.
 LOG_MARKERS = ("fast update:", "nccl update:", "fast weight load refused")
 
@@ -82,14 +92,18 @@ def check_topology(server_gpus: list[int], tp: int, learner_gpu: int) -> None:
 
 
 def sync_order(modes: list[str], syncs: int) -> list[tuple[str, bool]]:
-    """(mode, warm-up) per push: one warm-up per mode, then ``syncs`` rounds alternating the modes."""
-    return [(m, True) for m in modes] + [(m, False) for _ in range(syncs) for m in modes]
+    """(mode, warm-up) per push: per mode a block, its warm-up then ``syncs`` timed pushes.
+
+    Blocks, not alternation: a training run pushes through one path every sync, and the fast path's
+    steady state (one worker call per sync, the plan held) starts only from its second push in a row.
+    """
+    return [(m, w) for m in modes for w in [True] + [False] * syncs]
 
 
 def server_overrides(model_dir: str | Path, port: int, gpu_mem: float, server_gpus: list[int], tp: int,
-                     learner_gpu: int) -> list[str]:
+                     learner_gpu: int, load_format: str = "dummy") -> list[str]:
     """Dotted overrides of configs/gpu/split_1p1.yaml for the bench server (OmegaConf list syntax)."""
-    return [f"model.path={model_dir}", f"rollout_server.port={port}", "rollout_server.load_format=dummy",
+    return [f"model.path={model_dir}", f"rollout_server.port={port}", f"rollout_server.load_format={load_format}",
             f"rollout_server.gpu_memory_utilization={gpu_mem}",
             f"rollout_server.gpus=[{','.join(str(g) for g in server_gpus)}]",
             f"rollout_server.tensor_parallel_size={tp}", f"learner.gpus=[{learner_gpu}]"]
@@ -116,9 +130,13 @@ def mode_stats(records: list[dict], nbytes: int, raw: dict | None) -> dict[str, 
         med = {k: statistics.median(r[k] for r in timed) for k in PHASES if all(r.get(k) is not None for r in timed)}
         s: dict = {"n": len(timed), "median": med, "warmup": next((r for r in mine if r["warmup"]), None),
                    "sync_gb_s": nbytes / med["wire_s"] / 1e9}
+        if med.get("gpu_s"):
+            s["data_gb_s"] = nbytes / med["gpu_s"] / 1e9
         if raw:
             s["vs_raw_single"] = s["sync_gb_s"] / raw["single_s"]["gb_s"]
             s["vs_raw_chunked"] = s["sync_gb_s"] / raw["chunked_s"]["gb_s"]
+            if "data_gb_s" in s:
+                s["data_vs_raw_chunked"] = s["data_gb_s"] / raw["chunked_s"]["gb_s"]
         out[mode] = s
     return out
 
@@ -138,9 +156,12 @@ def count_fast_pushes(records: list[dict], digest: dict | None) -> int:
             + sum(s["mode"] == "fast" for s in (digest or {}).get("steps", [])))
 
 
-def fast_effective(counts: dict[str, int], fast_pushes: int) -> bool:
-    """Every fast push logged a "fast update:" line and the server never refused the fast path."""
-    return counts["fast"] >= fast_pushes and not counts["fast_refused"]
+def fast_effective(records: list[dict], digest: dict | None, counts: dict[str, int]) -> bool:
+    """Every timed fast push (and every fast push of the digest check) ran the fast path, by the server's
+    own reply, and the server never refused the fast path for good."""
+    fast = ([r for r in records if r["mode"] == "fast" and not r["warmup"]]
+            + [s for s in (digest or {}).get("steps", []) if s["mode"] == "fast"])
+    return bool(fast) and all(r.get("load_path") == "fast" for r in fast) and not counts["fast_refused"]
 
 
 def digest_check(push: Callable[[str], dict], perturb: Callable[[], None], digest: Callable[[], dict]) -> dict:
@@ -159,7 +180,7 @@ def digest_check(push: Callable[[str], dict], perturb: Callable[[], None], diges
         if d.get("ver") != r["ver"]:
             raise RuntimeError(f"/sync/digest reports ver {d.get('ver')} after the {mode} push committed "
                                f"ver {r['ver']}")
-        steps.append({"mode": mode, "ver": r["ver"], "digests": d["digests"]})
+        steps.append({"mode": mode, "ver": r["ver"], "digests": d["digests"], "load_path": r.get("load_path")})
         return list(d["digests"])
 
     perturb()
@@ -181,11 +202,14 @@ def digest_check(push: Callable[[str], dict], perturb: Callable[[], None], diges
 def run_pushes(push: Callable[[str], dict], perturb: Callable[[], None], digest: Callable[[], dict] | None,
                modes: list[str], syncs: int) -> dict:
     """The learner's whole sequence: warm-ups and timed pushes (sync_order), then the digest check."""
-    records = []
-    for k, (mode, warm) in enumerate(sync_order(modes, syncs)):
-        perturb()  # a "step": the weights change between pushes
-        r = push(mode)
-        records.append({**r, "mode": mode, "warmup": warm, "first": k == 0})
+    records: list[dict] = []
+    for mode, warm in sync_order(modes, syncs):
+        for _ in range(WARMUP_TRIES if warm else 1):
+            perturb()  # a "step": the weights change between pushes
+            r = push(mode)
+            records.append({**r, "mode": mode, "warmup": warm, "first": not records})
+            if r.get("load_path") in (None, mode):  # this path ran (or the server does not say)
+                break
     out: dict = {"records": records, "digest": None}
     if digest is not None and set(LOAD_PATHS) <= set(modes):
         try:
@@ -207,8 +231,9 @@ def digest_verdict(d: dict | None) -> str:
 
 def table(results: list[dict]) -> str:
     rows = ["| model | TP | GB | chunks | load | fence s | wire s | commit s | stall s (total) | server update s "
-            "| sync GB/s | raw GB/s (1 buffer / chunked) | sync / raw (1 buffer / chunked) | warm-up push s | digest |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| worker GPU s | sync GB/s | data GB/s | raw GB/s (1 buffer / chunked) | sync / raw (1 buffer / chunked) "
+            "| data / raw chunked | warm-up push s | digest |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         raw = r.get("raw")
         raw_txt = f"{raw['single_s']['gb_s']:.1f} / {raw['chunked_s']['gb_s']:.1f}" if raw else "-"
@@ -218,9 +243,12 @@ def table(results: list[dict]) -> str:
                      else "-")
             label = mode if not (mode == "fast" and r.get("fast_effective") is False) else "fast (REFUSED: native ran)"
             warm = s["warmup"]["total_s"] if s.get("warmup") else float("nan")
+            data = f"{s['data_gb_s']:.1f}" if "data_gb_s" in s else "-"
+            data_share = f"{100 * s['data_vs_raw_chunked']:.0f}%" if "data_vs_raw_chunked" in s else "-"
             rows.append(f"| {r['preset']} | {r.get('tp', 1)} | {r['bytes'] / 1e9:.2f} | {r['chunks']} | {label} | "
                         f"{m['fence_s']:.3f} | {m['wire_s']:.3f} | {m['commit_s']:.3f} | {m['total_s']:.3f} | "
-                        f"{m.get('server_update_s', float('nan')):.3f} | {s['sync_gb_s']:.1f} | {raw_txt} | {share} | "
+                        f"{m.get('server_update_s', float('nan')):.3f} | {m.get('gpu_s', float('nan')):.4f} | "
+                        f"{s['sync_gb_s']:.1f} | {data} | {raw_txt} | {share} | {data_share} | "
                         f"{warm:.2f} | {digest_verdict(r.get('digest'))} |")
     return "\n".join(rows)
 
@@ -257,6 +285,35 @@ def build_config_dir(preset: str, root: Path) -> Path:
     tok.save_pretrained(out)
     mtm.build_image_processor().save_pretrained(out)
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
+    return out
+
+
+def write_random_weights(config_dir: str, out: str) -> None:
+    """``out``: ``config_dir``'s files plus random bf16 weights, generated on this process's GPU."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.cuda.set_device(0)
+    shutil.copytree(config_dir, out, dirs_exist_ok=True)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="4GB")
+    (Path(out) / "random_weights.done").write_text("ok\n")
+
+
+def weights_dir(preset: str, config_dir: Path, gpu: int) -> Path:
+    """``{preset}-random``: the config dir with random weights (written once, by a process on ``gpu``)."""
+    out = config_dir.parent / f"{preset}-random"
+    if (out / "random_weights.done").is_file():
+        return out
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "PYTHONPATH": PYPATH}
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_weight_sync as b; "
+            f"b.write_random_weights({str(config_dir)!r}, {str(out)!r})")
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True, timeout=600)
     return out
 
 
@@ -365,8 +422,11 @@ def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str, mode
 
     def push(mode: str) -> dict:
         r = sender.push(model.named_parameters(), bucket_bytes=bucket_mb << 20, fence="drain", weight_load=mode)
+        load = r.server_load or {}
         return {"ver": r.ver, "fence_s": r.fence_s, "wire_s": r.wire_s, "commit_s": r.commit_s, "total_s": r.total_s,
-                "bytes": r.bytes, "chunks": r.n_buckets, "server_update_s": r.server_update_s}
+                "bytes": r.bytes, "chunks": r.n_buckets, "server_update_s": r.server_update_s,
+                "load_path": load.get("path"), "one_call": load.get("one_call"),
+                **{k: load.get(k) for k in ("rpc_s", "worker_s", "gpu_s")}}
 
     try:
         res = run_pushes(push, perturb, lambda: fetch_digest(url), modes, syncs)
@@ -405,6 +465,10 @@ def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
     modes, server_gpus, tp, learner_gpu = args.modes, args.server_gpu_list, args.tp, args.learner_gpu
     tag = f"{preset} tp{tp}"
     model_dir = build_config_dir(preset, Path(args.models))
+    if args.weights == "random":
+        t0 = time.monotonic()
+        model_dir = weights_dir(preset, model_dir, learner_gpu)
+        print(f"[{tag}] random weights in {model_dir} ({time.monotonic() - t0:.0f}s)", flush=True)
     with torch.device("meta"):
         meta = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
     spec, _ = W.manifest_of(meta)
@@ -413,7 +477,7 @@ def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
     nbytes = sum(sizes)
     result: dict = {"preset": preset, "tp": tp, "server_gpus": server_gpus, "learner_gpu": learner_gpu,
                     "weight_load": modes, "params": sum(n // 2 for n in sizes), "bytes": nbytes, "tensors": len(sizes),
-                    "bucket_mb": args.bucket_mb, "chunks": len(chunks)}
+                    "bucket_mb": args.bucket_mb, "chunks": len(chunks), "weights": args.weights}
     print(f"[{tag}] {nbytes / 1e9:.2f} GB in {len(sizes)} tensors, {len(chunks)} chunks; server GPUs {server_gpus} "
           f"(TP {tp}), learner GPU {learner_gpu}; load paths {modes}", flush=True)
     result["raw"] = run_raw(nbytes, chunks, args.reps, tmp, learner_gpu, server_gpus) if args.reps > 0 else None
@@ -424,7 +488,8 @@ def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
     log = tmp / f"server-{preset}-tp{tp}.log"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in server_gpus), "PYTHONPATH": PYPATH}
     cmd = [sys.executable, "-m", "rollout_server", "--config", str(REPO / "configs/gpu/split_1p1.yaml"),
-           *server_overrides(model_dir, port, args.gpu_mem, server_gpus, tp, learner_gpu)]
+           *server_overrides(model_dir, port, args.gpu_mem, server_gpus, tp, learner_gpu,
+                             "dummy" if args.weights == "dummy" else "auto")]
     print(f"[{tag}] server: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {' '.join(cmd[1:])}", flush=True)
     with open(log, "w") as fh:
         server = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
@@ -455,14 +520,16 @@ def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
     fast_pushes = count_fast_pushes(records, pushed.get("digest"))
     result["server_log_counts"] = counts
     refused_in_health = "refused" in json.dumps(result.get("health", {}).get("engine_info", {}))
-    result["fast_effective"] = ((fast_effective(counts, fast_pushes) and not refused_in_health) if "fast" in modes
-                                else None)
+    result["fast_effective"] = ((fast_effective(records, pushed.get("digest"), counts) and not refused_in_health)
+                                if "fast" in modes else None)
     print("\n".join(f"[{tag}] server: {line}" for line in result["server_log"]), flush=True)
     result["modes"] = mode_stats(records, nbytes, result["raw"])
     result.update(records=records, vers=[r["ver"] for r in records], digest=pushed.get("digest"))
     for mode, s in result["modes"].items():
         share = (f" = {100 * s['vs_raw_single']:.0f}% of raw single, {100 * s['vs_raw_chunked']:.0f}% of raw chunked"
                  if "vs_raw_single" in s else "")
+        if "data_vs_raw_chunked" in s:
+            share += f"; data plane {s['data_gb_s']:.1f} GB/s = {100 * s['data_vs_raw_chunked']:.0f}% of raw chunked"
         print(f"[{tag}] {mode}: median of {s['n']}: {json.dumps(s['median'])}; {s['sync_gb_s']:.1f} GB/s{share}",
               flush=True)
     if result["fast_effective"] is False:
@@ -483,11 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="0.5b,1.5b,7b")
     ap.add_argument("--weight-load", default="fast,native",
-                    help="server load paths to compare, alternated push by push on one server (fast|native)")
+                    help="server load paths to compare, a block of pushes each on one server (fast|native)")
     ap.add_argument("--syncs", type=int, default=5,
                     help="timed syncs per load path (after one warm-up push per path; the first builds the group)")
     ap.add_argument("--reps", type=int, default=3, help="raw broadcast repetitions (0: skip the raw broadcast)")
     ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--weights", choices=("random", "dummy"), default="random",
+                    help="server start: random weights written to the model dir (a checkpoint load), or vLLM's "
+                         "load_format=dummy (default: %(default)s)")
     ap.add_argument("--server-gpus", default="0", help="GPUs of the vLLM server, e.g. 0,1 (default: %(default)s)")
     ap.add_argument("--tp", type=int, default=1, help="the server's tensor_parallel_size (divides len(server GPUs))")
     ap.add_argument("--learner-gpu", type=int, default=1, help="GPU of the pushing learner (default: %(default)s)")

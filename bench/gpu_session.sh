@@ -17,7 +17,9 @@
 #   bash bench/gpu_session.sh X2   # bench 7b fast vs native TP 1; bench 1.5b TP 2 (server GPUs 0,1, learner 2)
 #   bash bench/gpu_session.sh X3   # launcher 2+2 (configs/gpu/split_2p2.yaml, 50 steps) blocking, then the
 #                                  # same with sync_mode=overlap; run evidence + sync stall medians
-#   bash bench/gpu_session.sh Y    # fast vs native weight load: bench 0.5b + 7b TP 1, 1.5b TP 2
+#   bash bench/gpu_session.sh Y1   # GPU tests of the fast load path + bench 0.5b, 7b TP 1 (fast block, native block)
+#   bash bench/gpu_session.sh Y2   # bench 1.5b TP 2; the 2 + 2 split 200 steps, overlap, fast load, drain fence
+#   bash bench/gpu_session.sh Y3   # bench on random-weight checkpoints: 0.5b, 7b TP 1, 1.5b TP 2; a dummy-load probe
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -25,7 +27,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -282,21 +284,60 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     bundle logs-X3.tar.gz runs/gpu-2p2/logs runs/gpu-2p2-overlap/logs runs/gpu-2p2/summary.json \
       runs/gpu-2p2-overlap/summary.json
     ;;
-  Y)  # ~5 min, 1 call: fast vs native side by side after the fast path learned compute steps (0.5b + 7b TP 1,
-      # 1.5b TP 2); the benches build their own config-only model dirs, so no setup beyond the env check
-    BUDGET=${BUDGET:-380}
-    step bench-y 235 $BENCH --presets 0.5b,7b --weight-load fast,native --syncs 5 \
+  Y1)  # ~8 min: GPU tests of the fast path (CUDA graphs, one-call receive, digest vs native), then the bench
+       # 0.5b + 7b TP 1 (server GPU 0, learner GPU 1), fast block then native block
+    BUDGET=${BUDGET:-560}
+    step env 45 bash -c 'nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv;
+      python3 -c "import torch, transformers, vllm; print(torch.__version__, torch.version.cuda,
+      torch.cuda.nccl.version(), transformers.__version__, vllm.__version__, torch.cuda.device_count())"'
+    mkdir -p .make && touch .make/installed
+    step models 120 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
+      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b"
+    step gpu-tests 200 python3 -m pytest -q -m gpu -rA -s --tb=short -p no:cacheprovider tests/test_gpu_load_plan.py \
+      tests/test_gpu_vllm.py
+    step bench-y 260 $BENCH --presets 0.5b,7b --weight-load fast,native --syncs 5 \
       --log-dir "$OUT/bench-logs" --out "$OUT/bench-y.json"
-    step bench-y-tp2 125 $BENCH --presets 1.5b --weight-load fast,native --syncs 4 --tp 2 --server-gpus 0,1 \
+    bundle logs-Y1.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
+    ;;
+  Y2)  # ~9 min: bench 1.5b TP 2 (2 workers receive), then the 2 + 2 split for 200 steps in overlap mode with
+       # the fast load path and a drain fence (the push is off the learner's path, so draining costs it
+       # nothing and no rollout is thrown away), 4 actors per rank
+    BUDGET=${BUDGET:-570}
+    mkdir -p .make && touch .make/installed
+    [ -n "${SKIP_BENCH:-}" ] || step bench-y-tp2 130 $BENCH --presets 1.5b --weight-load fast,native --syncs 4 --tp 2 --server-gpus 0,1 \
       --learner-gpu 2 --log-dir "$OUT/bench-logs" --out "$OUT/bench-y-tp2.json"
-    bundle logs-Y.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
+    [ -f $MODELS/1.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
+      python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b && python3 -m common.synthetic --out $DATA \
+      --n 96 --seed 0"
+    rm -rf runs/gpu-2p2-long
+    KILL_AFTER=40 step launcher-2p2-long 330 python3 -m launcher --config configs/gpu/split_2p2.yaml \
+      training.max_steps=200 stage2_ab.channel_b.async.sync_mode=overlap rollout_matching.vllm.sync.fence=drain \
+      rollout_server.weight_load=fast actor.num_actors_per_rank=4 training.output_dir=runs/gpu-2p2-long \
+      run_name=gpu-2p2-long --grace-s 20
+    step evidence-long 30 bash -c "evidence --json '$OUT/evidence-Y2.json' runs/gpu-2p2-long; run_logs runs/gpu-2p2-long"
+    cp runs/gpu-2p2-long/metrics.jsonl "$OUT/metrics-gpu-2p2-long.jsonl" 2>/dev/null
+    bundle logs-Y2.tar.gz "$OUT/bench-logs" runs/gpu-2p2-long/logs runs/gpu-2p2-long/summary.json
+    rm -rf "$OUT/bench-logs"
+    ;;
+  Y3)  # ~7 min: bench on servers that loaded random-weight checkpoints (the load state users run): 0.5b and
+       # 7b TP 1, 1.5b TP 2; then 0.5b on a load_format=dummy server (the refusal names the loader line)
+    BUDGET=${BUDGET:-570}
+    step bench-y3 280 $BENCH --presets 0.5b,7b --weight-load fast,native --syncs 5 --weights random \
+      --log-dir "$OUT/bench-logs" --out "$OUT/bench-y3.json"
+    step bench-y3-tp2 150 $BENCH --presets 1.5b --weight-load fast,native --syncs 5 --tp 2 --server-gpus 0,1 \
+      --learner-gpu 2 --weights random --log-dir "$OUT/bench-logs" --out "$OUT/bench-y3-tp2.json"
+    step bench-y3-dummy 100 $BENCH --presets 0.5b --weight-load fast --syncs 2 --weights dummy --reps 0 \
+      --log-dir "$OUT/bench-logs-dummy" --out "$OUT/bench-y3-dummy.json"
+    grep -h -E "refused|deferred|plan .* recorded" "$OUT"/bench-logs-dummy/*.log 2>/dev/null | head -n 5 | tee -a "$LOG"
+    bundle logs-Y3.tar.gz "$OUT/bench-logs" "$OUT/bench-logs-dummy"
+    rm -rf "$OUT/bench-logs" "$OUT/bench-logs-dummy"
     ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|E" >&2
     exit 2
     ;;
 esac

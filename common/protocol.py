@@ -456,6 +456,9 @@ class SyncBucketResponse(_Message):
     """Bytes received."""
     elapsed_s: float = Field(ge=0)
     """Seconds from request to staged."""
+    load: dict[str, float | str | bool | None] | None = None
+    """``/sync/update`` only: how the engine loaded it (vLLM: ``path`` fast|native, ``rpc_s`` worker
+    call, ``worker_s`` / ``gpu_s`` receive+copy as the slowest worker timed it, ``one_call``)."""
 
 
 class SyncCommitRequest(_Message):

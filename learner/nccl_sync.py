@@ -243,7 +243,7 @@ class NcclWeightSender:
         report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
                             bytes=nbytes, n_buckets=len(chunks), fingerprint=done.fingerprint,
                             ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted,
-                            server_update_s=update.elapsed_s)
+                            server_update_s=update.elapsed_s, server_load=update.load)
         log.info("weights synced to %s over NCCL: ver %d, %d chunk(s), %.1f MB, fence %.3fs wire %.3fs (%.1f GB/s) "
                  "commit %.3fs, fingerprint %s", self.base_url, report.ver, len(chunks), nbytes / 1e6, report.fence_s,
                  report.wire_s, nbytes / max(report.wire_s, 1e-9) / 1e9, report.commit_s, report.fingerprint)

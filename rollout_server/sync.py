@@ -292,7 +292,7 @@ class SyncController:
                 raise ApiError(400, "bad_request", f"transport {req.transport!r} is not served by the "
                                f"{self.engine.name} engine (it takes {self.engine_transports()})", field="transport",
                                hint="set rollout_matching.vllm.sync.transport: http")
-            if req.transport == "nccl":  # pragma: no cover - needs GPUs (tests/test_gpu_*.py)
+            if req.transport == "nccl":
                 # Blocks until learner rank 0 joins the group (it joins while this call is in flight).
                 try:
                     await asyncio.wait_for(self.engine.init_nccl(req), timeout=req.timeout_s)  # type: ignore[attr-defined]
@@ -366,7 +366,7 @@ class SyncController:
             return SyncBucketResponse(session=s.id, index=header.index, n_tensors=len(tensors), nbytes=nbytes,
                                       elapsed_s=time.monotonic() - t0)
 
-    async def update(self, header: SyncBucketHeader) -> SyncBucketResponse:  # pragma: no cover - vLLM + GPUs
+    async def update(self, header: SyncBucketHeader) -> SyncBucketResponse:
         """One NCCL bucket: the engine receives what the learner broadcasts (``/sync/update``)."""
         async with self._op(header.session, SyncState.FENCED) as s:
             if s.transport != "nccl":
@@ -375,6 +375,7 @@ class SyncController:
             t0 = time.monotonic()
             budget = max(1.0, s.deadline - t0)
             s.update_started = True
+            self.engine.last_update_info = None
             try:
                 nbytes = await asyncio.wait_for(self.engine.receive_nccl(header), timeout=budget)  # type: ignore[attr-defined]
             except TimeoutError:
@@ -400,7 +401,7 @@ class SyncController:
             if self.metrics is not None:
                 self.metrics.sync_bytes.inc(nbytes)
             return SyncBucketResponse(session=s.id, index=header.index, n_tensors=len(header.names), nbytes=nbytes,
-                                      elapsed_s=time.monotonic() - t0)
+                                      elapsed_s=time.monotonic() - t0, load=self.engine.last_update_info)
 
     async def commit(self, req: SyncCommitRequest) -> SyncCommitResponse:
         async with self._op(req.session, SyncState.FENCED) as s:

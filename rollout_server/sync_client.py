@@ -74,6 +74,7 @@ class SyncReport:
     drained: int = 0
     aborted: int = 0
     server_update_s: float | None = None  # NCCL path: the server's own time for /sync/update (receive + load)
+    server_load: dict | None = None  # NCCL path: how the engine loaded it (SyncBucketResponse.load)
 
 
 class SyncSession:

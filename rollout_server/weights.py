@@ -89,21 +89,43 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]], dtypes: dict[str, str
 
     ``dtypes`` (name -> dtype name) hashes each tensor as if cast to that dtype first (the learner
     fingerprints what the server will hold without casting whole tensors).
+
+    The samples of all tensors on one device are gathered there and copied to the host at once: one
+    device sync per device instead of one per tensor (~700 syncs were ~35 ms of a blocking sync's
+    stall on a GPU). The hashed bytes are the same as hashing tensor by tensor.
     """
-    h = hashlib.blake2b(digest_size=8)
+    heads: list[bytes] = []
+    samples: list[torch.Tensor] = []
+    index: dict[tuple[int, torch.device], torch.Tensor] = {}
     for name, t in sorted(named, key=lambda kv: kv[0]):
         t = t.detach()
         flat = t.reshape(-1)
         n = flat.numel()
         if n > FINGERPRINT_SAMPLES:
-            # Integer arithmetic: a float32 linspace rounds n - 1 past the end for n > 2**24.
-            idx = torch.arange(FINGERPRINT_SAMPLES, device=flat.device) * (n - 1) // (FINGERPRINT_SAMPLES - 1)
-            flat = flat[idx]
+            key = (n, flat.device)
+            if key not in index:
+                # Integer arithmetic: a float32 linspace rounds n - 1 past the end for n > 2**24.
+                index[key] = torch.arange(FINGERPRINT_SAMPLES, device=flat.device) * (n - 1) // (FINGERPRINT_SAMPLES - 1)
+            flat = flat[index[key]]
         dtype = dtypes.get(name) if dtypes else None
         if dtype is not None and t.is_floating_point():
             flat = flat.to(torch_dtype(dtype))
-        h.update(f"{name}|{dtype_name(flat.dtype)}|{list(t.shape)}|".encode())
-        h.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        heads.append(f"{name}|{dtype_name(flat.dtype)}|{list(t.shape)}|".encode())
+        samples.append(flat.contiguous().view(torch.uint8))
+    host: list[bytes | None] = [None] * len(samples)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(samples):
+        by_device.setdefault(x.device, []).append(i)
+    for idx in by_device.values():
+        blob = torch.cat([samples[i] for i in idx]).cpu().numpy().tobytes() if idx else b""
+        pos = 0
+        for i in idx:
+            host[i] = blob[pos:pos + samples[i].numel()]
+            pos += samples[i].numel()
+    h = hashlib.blake2b(digest_size=8)
+    for head, data in zip(heads, host):
+        h.update(head)
+        h.update(data or b"")
     return h.hexdigest()
 
 

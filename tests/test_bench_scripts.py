@@ -56,12 +56,9 @@ def test_main_rejects_a_learner_gpu_among_the_server_gpus():
     assert exc.value.code == 2
 
 
-def test_sync_order_warms_each_path_up_then_alternates():
+def test_sync_order_is_a_block_per_path_warm_up_first():
     order = b.sync_order(["fast", "native"], 3)
-    assert order[:2] == [("fast", True), ("native", True)]
-    timed = order[2:]
-    assert [m for m, _ in timed] == ["fast", "native"] * 3
-    assert not any(w for _, w in timed)
+    assert order == [("fast", True)] + [("fast", False)] * 3 + [("native", True)] + [("native", False)] * 3
     assert b.sync_order(["native"], 2) == [("native", True), ("native", False), ("native", False)]
 
 
@@ -84,7 +81,8 @@ def test_raw_broadcast_puts_rank_0_on_the_learner_gpu_and_one_rank_per_server_gp
 
 def _rec(mode, warm, wire, total=None, ver=1):
     return {"mode": mode, "warmup": warm, "ver": ver, "fence_s": 0.02, "wire_s": wire, "commit_s": 0.01,
-            "total_s": total if total is not None else wire + 0.05, "server_update_s": wire - 0.01, "bytes": 2 * GB}
+            "total_s": total if total is not None else wire + 0.05, "server_update_s": wire - 0.01, "bytes": 2 * GB,
+            "load_path": mode, "rpc_s": wire - 0.002, "worker_s": wire - 0.003, "gpu_s": wire - 0.004}
 
 
 RAW = {"single_s": {"gb_s": 400.0, "median_s": 0.005, "best_s": 0.005},
@@ -104,15 +102,20 @@ def test_mode_stats_are_medians_of_the_timed_pushes_per_path():
     assert s["fast"]["sync_gb_s"] == pytest.approx(100.0)
     assert s["fast"]["vs_raw_single"] == pytest.approx(0.25) and s["fast"]["vs_raw_chunked"] == pytest.approx(0.5)
     assert s["native"]["sync_gb_s"] == pytest.approx(10.0)
+    assert s["fast"]["median"]["gpu_s"] == pytest.approx(0.016)  # the data plane alone, GPU-timed
+    assert s["fast"]["data_gb_s"] == pytest.approx(125.0) and s["fast"]["data_vs_raw_chunked"] == pytest.approx(0.625)
     assert "vs_raw_single" not in b.mode_stats(records, 2 * GB, None)["fast"]
+    no_gpu = [{**r, "gpu_s": None} for r in records]  # e.g. the hf engine: no GPU timing in its reply
+    assert "data_gb_s" not in b.mode_stats(no_gpu, 2 * GB, RAW)["fast"]
 
 
 class FakeServer:
     """Served weights as a dict; ``stale`` = a tensor the fast path skips, ``garble`` = one it writes wrong."""
 
-    def __init__(self, workers=2, stale=None, garble=None):
+    def __init__(self, workers=2, stale=None, garble=None, defer_fast=0):
         self.served: dict[str, float] = {}
         self.ver, self.workers, self.stale, self.garble = 0, workers, stale, garble
+        self.defer_fast = defer_fast  # fast pushes that run native first (a dummy-loaded vLLM's deferral)
         self.weights = {"a": 1.0, "b": 2.0, "c": 3.0}
         self.log: list[str] = []
 
@@ -120,6 +123,9 @@ class FakeServer:
         self.weights = {k: v + 0.5 for k, v in self.weights.items()}
 
     def push(self, mode):
+        if mode == "fast" and self.defer_fast:
+            self.defer_fast -= 1
+            mode = "native"
         for k, v in self.weights.items():
             if mode == "fast" and k == self.stale:
                 continue
@@ -137,14 +143,28 @@ class FakeServer:
 def test_run_pushes_alternates_and_a_correct_fast_path_passes_the_digest_check():
     srv = FakeServer()
     res = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
-    assert [r["mode"] for r in res["records"]] == ["fast", "native"] * 3
-    assert [r["warmup"] for r in res["records"]] == [True, True, False, False, False, False]
+    assert [r["mode"] for r in res["records"]] == ["fast"] * 3 + ["native"] * 3
+    assert [r["warmup"] for r in res["records"]] == [True, False, False, True, False, False]
     assert res["records"][0]["first"] and not res["records"][1]["first"]
     d = res["digest"]
     assert [s["mode"] for s in d["steps"]] == ["fast", "native", "native", "fast"]
     assert srv.log[-4:] == ["fast", "native", "native", "fast"]
     assert d["digest_equal"] and d["changes_with_weights"] and d["changes_on_every_worker"] and d["ok"]
     assert b.digest_verdict(d) == "equal"
+
+
+def test_a_deferred_fast_warm_up_is_repeated_until_the_fast_path_runs():
+    srv = FakeServer(defer_fast=2)
+    res = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
+    recs = res["records"]
+    assert [(r["mode"], r["load_path"], r["warmup"]) for r in recs[:4]] == [
+        ("fast", "native", True), ("fast", "native", True), ("fast", "fast", True), ("fast", "fast", False)]
+    assert all(r["load_path"] == r["mode"] for r in recs if not r["warmup"])
+    assert b.fast_effective(recs, res["digest"], {"fast_refused": 0})
+    never = FakeServer(defer_fast=99)  # the fast path never ran: give up after WARMUP_TRIES, then it shows
+    res = b.run_pushes(never.push, never.perturb, never.digest, ["fast", "native"], 1)
+    assert sum(r["warmup"] and r["mode"] == "fast" for r in res["records"]) == b.WARMUP_TRIES
+    assert not b.fast_effective(res["records"], res["digest"], {"fast_refused": 0})
 
 
 def test_a_fast_path_that_leaves_a_tensor_stale_is_caught_by_the_fast_then_native_pair():
@@ -185,11 +205,15 @@ def test_server_log_lines_and_fast_effectiveness():
     assert lines == ["fast update: 680 tensors, 2.05 GB, 4 chunks: ...", "nccl update: 680 tensors, 2.05 GB: ..."]
     counts = b.log_counts(lines)
     assert counts == {"fast": 1, "native": 1, "fast_refused": 0}
-    records = [{"mode": "fast"}, {"mode": "native"}]
-    assert b.count_fast_pushes(records, {"steps": [{"mode": "fast"}, {"mode": "native"}]}) == 2
-    assert b.fast_effective(counts, 1) and not b.fast_effective(counts, 2)
+    records = [{"mode": "fast", "warmup": False, "load_path": "fast"},
+               {"mode": "native", "warmup": False, "load_path": "native"}]
+    digest = {"steps": [{"mode": "fast", "load_path": "fast"}, {"mode": "native", "load_path": "native"}]}
+    assert b.count_fast_pushes(records, digest) == 2
+    assert b.fast_effective(records, digest, counts)
+    assert not b.fast_effective(records, {"steps": [{"mode": "fast", "load_path": "native"}]}, counts)
+    assert not b.fast_effective([{**records[0], "load_path": None}], None, counts)  # no reply: not shown
     refused = b.log_counts(b.server_log_lines("x vllm: fast weight load refused (tied)\nx vllm: fast update: 1"))
-    assert not b.fast_effective(refused, 1)
+    assert not b.fast_effective(records, digest, refused)
 
 
 def _result(digest_ok=True, fast_effective=True):
@@ -285,3 +309,12 @@ def test_session_step_logs_output_and_exit_code_and_honours_deadline_and_budget(
     assert "slow -> rc=124" in log                          # the deadline killed it
     assert "skipped SKIPPED" in log                         # too little of the budget left: not started
     assert not list(tmp_path.glob("timeout*")), "a redirection wrote a stray file"
+
+
+def test_config_only_model_dirs_name_their_architecture(tmp_path):
+    """vLLM picks the model class from config.json's ``architectures``; without it, it resolved a
+    pooling adapter whose loader clones every weight (the fast load path was refused on the bench)."""
+    out = b.build_config_dir("0.5b", tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert not list(out.glob("*.safetensors"))  # config, tokenizer and processor only

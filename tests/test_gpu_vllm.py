@@ -261,15 +261,19 @@ def test_fast_and_native_loads_leave_bit_identical_weights(server, learner, send
     native = sender.push(learner.model.named_parameters(), bucket_bytes=64 << 20, weight_load="native")
     d_native = digest()
     learner.set_version(7)
-    sender.push(learner.model.named_parameters(), bucket_bytes=64 << 20, weight_load="fast")
+    first = sender.push(learner.model.named_parameters(), bucket_bytes=64 << 20, weight_load="fast")
     d_other = digest()
     learner.set_version(6)
     fast = sender.push(learner.model.named_parameters(), bucket_bytes=64 << 20, weight_load="fast")
     d_fast = digest()
+    assert native.server_load["path"] == "native", native.server_load
+    assert first.server_load["path"] == "fast" and not first.server_load["one_call"], first.server_load
+    assert fast.server_load["path"] == "fast" and fast.server_load["one_call"], fast.server_load  # plan held
     assert d_other != d_native
     assert d_fast == d_native, "the fast path placed some bytes differently from vLLM's own loaders"
     health = httpx.get(server.url + "/health", timeout=10).json()
     assert "refused" not in str(health), f"the fast path was refused: {health}"
     assert "fast update:" in server.log_tail(400), "the fast path did not run"
-    print(f"digest {d_fast}; wire native {native.wire_s:.3f}s vs fast {fast.wire_s:.3f}s "
-          f"({native.bytes / 1e9:.2f} GB, {native.n_buckets} chunks)")
+    print(f"digest {d_fast}; wire native {native.wire_s:.4f}s vs fast {first.wire_s:.4f}s (prepare + receive) / "
+          f"{fast.wire_s:.4f}s (one call; gpu {fast.server_load['gpu_s']:.4f}s) ({native.bytes / 1e9:.2f} GB, "
+          f"{native.n_buckets} chunks)")

@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -129,14 +128,12 @@ def learner_model(tiny_model_dir):
 @pytest.mark.gpu
 @needs_two_gpus
 def test_nccl_push_to_the_hf_engine_lands_every_weight_under_its_name(tiny_model_dir, learner_model):
-    from common.protocol import InferItem, InferResponse, SamplingParams
     from learner.nccl_sync import NcclWeightSender
+    from tests.test_collective_sync_cpu import assert_served_greedy_is_the_learners
     from tests.test_fence import version_weights
 
     model, gen = learner_model
     base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    item = InferItem(prompt_token_ids=[5, 6, 7, 8, 9])
-    sampling = SamplingParams(temperature=0, max_tokens=6)
     with hf_server_on_gpu0(tiny_model_dir) as srv:
         sender = NcclWeightSender(srv.url, timeout_s=60)
         for k in (1, 2):
@@ -144,11 +141,7 @@ def test_nccl_push_to_the_hf_engine_lands_every_weight_under_its_name(tiny_model
             report = sender.push(model.named_parameters(), bucket_bytes=64 << 10)
             assert report.ver == k and report.n_buckets > 1
             assert report.fingerprint == W.fingerprint(list(model.named_parameters()))  # computed by the server
-            r = httpx.post(srv.url + "/infer", json={"items": [item.model_dump(exclude_none=True)],
-                                                     "sampling": sampling.model_dump()}, timeout=60)
-            served = InferResponse.model_validate_json(r.content)
-            mine = gen.generate([item.prompt_token_ids], [None], sampling)[0]
-            assert served.ver == k and served.outputs[0].token_ids == mine.token_ids
+            assert_served_greedy_is_the_learners(srv.url, gen, k)
         assert sender.groups_created == 1, "the group must be reused across syncs"
         sender.close()
 

@@ -73,7 +73,7 @@ class VllmLike(torch.nn.Module):
                 if self.mode == "item" and w.float().abs().sum().item() < 0:
                     continue
                 if self.mode == "staged":  # into a scratch tensor first, then into the parameter
-                    tmp = torch.empty(H, dtype=torch.float32)
+                    tmp = torch.empty(H, dtype=torch.float32, device=w.device)
                     tmp.copy_(w)
                     self.norm.data.copy_(tmp)
                     continue
@@ -176,8 +176,9 @@ def test_a_loader_that_copies_everything_first_is_refused_naming_the_op(monkeypa
     monkeypatch.setattr(lp, "MAX_DERIVED_BYTES", 64)  # the patch embedding's 48-byte copy fits, more does not
     model = VllmLike("scaled")  # w * 2 for k_proj: 256 more bytes of intermediates
     layouts, _ = stream(hf_weights(1), 1 << 20)
-    with pytest.raises(PlanError, match=r"intermediate tensors .*aten\.mul\.Tensor"):
+    with pytest.raises(PlanError, match=r"intermediate tensors .*aten\.mul\.Tensor") as exc:
         FastLoader(model, torch.device("cpu")).prepare(layouts)
+    assert "tests/test_load_plan.py:" in str(exc.value) and "load_weights" in str(exc.value)  # the loader line
 
 
 def test_a_new_layout_or_new_model_storage_records_a_new_plan() -> None:

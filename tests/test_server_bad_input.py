@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -11,6 +12,7 @@ import torch
 from common.protocol import BUCKET_HEADER, ErrorResponse, SyncBucketHeader
 from rollout_server import weights as W
 from rollout_server.sync_client import SyncError, WeightSyncClient
+from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process
 
 pytestmark = pytest.mark.slow
@@ -131,10 +133,18 @@ def test_sync_calls_out_of_order_get_409_and_unknown_sessions_are_named(server, 
     session.abort("test done")
 
 
-def test_an_http_init_with_nccl_transport_is_refused_by_the_hf_engine(http):
-    body = {"client": "x", "transport": "nccl", "master_addr": "127.0.0.1", "master_port": 29500, "world_size": 2}
-    err = error_of(http.post("/sync/init", json=body, headers=admin()), 400)
-    assert err.field == "transport" and "http" in err.message
+def test_a_collective_init_nobody_joins_fails_within_its_deadline_and_leaves_no_session(server, http):
+    port = free_port_block(1)  # no learner hosts this rendezvous
+    body = {"client": "x", "transport": "nccl", "master_addr": "127.0.0.1", "master_port": port, "world_size": 2,
+            "timeout_s": 2}
+    t0 = time.monotonic()
+    r = http.post("/sync/init", json=body, headers=admin())
+    assert time.monotonic() - t0 < 60, "the init must give up at its own deadline (2 s), not hang"
+    assert r.status_code in (500, 504), r.text
+    assert f"127.0.0.1:{port}" in r.json()["message"]
+    session = WeightSyncClient(server.url, auth_token=TOKEN, timeout_s=30).open()  # the server took no harm
+    session.abort("test done")
+    assert http.get("/health").status_code == 200
 
 
 def _begun_session(server):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from rollout_server import weights as W
 from rollout_server.engines.vllm_fastload import TandemWorkerExtension
+from rollout_server.load_plan import stream_key
 from tests.test_load_plan import VllmLike, hf_weights, native, same, stream
 
 
@@ -74,3 +76,143 @@ def test_quantized_models_and_computing_loaders_are_refused_for_good():
     w.weight_transfer_engine.model.mode = "index"
     info = w.tandem_prepare(layout_of(hf_weights(1)))
     assert not info["ok"] and not info.get("transient") and "index_copy" in info["reason"]
+
+
+# ------------------------------------------------------------------ the one-call path (plan already held)
+
+
+def test_one_call_receive_plans_on_the_spot_and_reuses_the_plan():
+    w = Worker()
+    for seed, recorded in ((1, True), (2, False)):
+        weights = hf_weights(seed)
+        w.weight_transfer_engine.model_update_group = Group(stream(weights, 600)[1])
+        out = w.tandem_receive(timeout_s=30, layout=layout_of(weights))
+        assert out["path"] == "plan" and out["recorded"] is recorded, out
+        same(w.weight_transfer_engine.model, native(weights))
+
+
+def test_one_call_receive_replans_when_the_model_storage_moved():
+    w = Worker()
+    weights = hf_weights(1)
+    w.weight_transfer_engine.model_update_group = Group(stream(weights, 600)[1])
+    w.tandem_receive(timeout_s=30, layout=layout_of(weights))
+    model = w.weight_transfer_engine.model
+    model.qkv.data = model.qkv.data.clone()  # e.g. memory re-allocated between syncs
+    weights = hf_weights(2)
+    w.weight_transfer_engine.model_update_group = Group(stream(weights, 600)[1])
+    out = w.tandem_receive(timeout_s=30, layout=layout_of(weights))
+    assert out["path"] == "plan" and out["recorded"], out
+    same(model, native(weights))
+
+
+def test_one_call_receive_without_a_possible_plan_loads_through_the_loaders():
+    """The learner is already broadcasting: the worker must take every chunk, and load them right."""
+    w = Worker()
+    w.weight_transfer_engine.model.mode = "item"  # reads received values: no plan possible
+    weights = hf_weights(3)
+    group = Group(stream(weights, 600)[1])
+    w.weight_transfer_engine.model_update_group = group
+    out = w.tandem_receive(timeout_s=30, layout=layout_of(weights))
+    assert out["path"] == "direct" and "reads received values" in out["reason"], out
+    assert next(group.chunks, None) is None, "every chunk must be consumed"
+    same(w.weight_transfer_engine.model, native(weights, "item"))
+
+
+def test_one_call_receive_with_reload_wrappers_drains_the_stream_and_raises():
+    w = Worker()
+    model = w.weight_transfer_engine.model
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+
+    def online_process_loader(*a, **k):
+        raise AssertionError("must not be called")
+    model.qkv.weight_loader = online_process_loader
+    weights = hf_weights(4)
+    group = Group(stream(weights, 600)[1])
+    w.weight_transfer_engine.model_update_group = group
+    with pytest.raises(RuntimeError, match="drained"):
+        w.tandem_receive(timeout_s=30, layout=layout_of(weights))
+    assert next(group.chunks, None) is None, "the stream must be drained so the other ranks finish"
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, before[n]), n
+
+
+def test_stream_key_names_the_stream_not_its_values():
+    a, b = layout_of(hf_weights(1)), layout_of(hf_weights(2))
+    assert stream_key(a) == stream_key(b)  # same names, shapes, dtypes, offsets, bucket size
+    assert stream_key(a) != stream_key(layout_of(hf_weights(1), bucket_bytes=601))
+    c = layout_of(hf_weights(1))
+    c["names"] = list(reversed(c["names"]))
+    assert stream_key(c) != stream_key(a)
+
+
+# ------------------------------------------------------------------ the engine's side: RPCs per sync
+
+
+class FakeAsyncLLM:
+    """``collective_rpc`` into real extension workers (what AsyncLLM does through its engine core)."""
+
+    def __init__(self, workers, chunks_per_sync):
+        self.workers, self.calls, self.chunks_per_sync = workers, [], chunks_per_sync
+
+    async def collective_rpc(self, method, timeout=None, kwargs=None):
+        self.calls.append(method)
+        if method == "tandem_receive":
+            for w in self.workers:
+                w.weight_transfer_engine.model_update_group = Group(self.chunks_per_sync())
+        return [getattr(w, method)(**(kwargs or {})) for w in self.workers]
+
+
+def _engine(workers, chunks_per_sync):
+    from rollout_server.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the load-path logic on fake RPCs
+    engine.llm = FakeAsyncLLM(workers, chunks_per_sync)
+    engine._bucket_bytes, engine._session_timeout_s = 600, 30.0
+    engine._fast_key, engine._fast_refused, engine._fast_updated = None, None, False
+    engine.last_update_info = None
+    return engine
+
+
+def _header(weights):
+    from common.protocol import SyncBucketHeader
+
+    lay = layout_of(weights)
+    return SyncBucketHeader(session="s", index=0, names=lay["names"], dtypes=lay["dtypes"], shapes=lay["shapes"],
+                            offsets=lay["offsets"])
+
+
+def test_engine_prepares_once_then_receives_in_one_call_until_a_native_update():
+    import asyncio
+
+    workers = [Worker(), Worker()]
+    current = {"w": hf_weights(1)}
+    engine = _engine(workers, lambda: stream(current["w"], 600)[1])
+    for seed in (1, 2):
+        current["w"] = hf_weights(seed)
+        engine.llm.calls.clear()
+        assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))
+        want = ["tandem_prepare", "tandem_receive"] if seed == 1 else ["tandem_receive"]
+        assert engine.llm.calls == want, (seed, engine.llm.calls)
+        assert engine.last_update_info["one_call"] is (seed == 2)
+        for w in workers:
+            same(w.weight_transfer_engine.model, native(current["w"]))
+    engine._fast_key = None  # what _receive_native does: plan again after a native update
+    engine.llm.calls.clear()
+    assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))
+    assert engine.llm.calls == ["tandem_prepare", "tandem_receive"]
+
+
+def test_engine_turns_the_fast_path_off_after_a_worker_loaded_through_its_loaders():
+    import asyncio
+
+    workers = [Worker(), Worker()]
+    current = {"w": hf_weights(1)}
+    engine = _engine(workers, lambda: stream(current["w"], 600)[1])
+    assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))
+    workers[1].weight_transfer_engine.model.mode = "item"
+    workers[1].weight_transfer_engine.model.qkv.data = workers[1].weight_transfer_engine.model.qkv.data.clone()
+    current["w"] = hf_weights(2)
+    assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))  # one call; worker 1 goes direct
+    assert engine._fast_refused and "could not plan" in engine._fast_refused
+    assert engine._fast_key is None
+    same(workers[1].weight_transfer_engine.model, native(current["w"], "item"))

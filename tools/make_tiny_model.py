@@ -228,6 +228,10 @@ def build_config(preset: str, tokenizer):
         vision_start_token_id=ids[VISION_START],
         vision_end_token_id=ids[VISION_END],
         tie_word_embeddings=spec["tie"],
+        # Saved with the config even when no weights are (bench/bench_weight_sync.py's config-only dirs):
+        # without it vLLM 0.26 resolved the architecture to a pooling adapter whose load_weights clones
+        # every incoming tensor, so the fast load path was refused there (docs/gpu.md).
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
     )
 
 

@@ -61,6 +61,8 @@ class Engine(abc.ABC):
 
     def __init__(self, model_path: str) -> None:
         self.model_path = model_path
+        #: How the last NCCL update was loaded (engine-specific timings), returned by ``/sync/update``.
+        self.last_update_info: dict[str, float | str | bool | None] | None = None
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -427,13 +427,11 @@ class HFEngine(Engine):
     async def discard(self) -> None:
         self._staged = {}
 
-    # ---------------------------------------------------------------- NCCL receive (CUDA only)
+    # ---------------------------------------------------------------- collective receive (NCCL; gloo on CPU)
 
-    @property
-    def transports(self) -> tuple[str, ...]:
-        """``nccl`` only when the model is on a GPU (NCCL needs device buffers); ``http`` always."""
-        on_gpu = self.gen is not None and self.gen.device.type == "cuda"
-        return ("http", "nccl") if on_gpu else ("http",)
+    #: ``nccl``: the collective transport, over NCCL on a GPU and over gloo on CPU (the learner's sender
+    #: does the same with CPU tensors), so the whole protocol runs on machines without GPUs.
+    transports = ("http", "nccl")
 
     async def init_nccl(self, req: Any) -> None:
         """Join learner rank 0's weight-transfer group (kept across syncs while the rendezvous is the same)."""
@@ -450,8 +448,10 @@ class HFEngine(Engine):
 
     def _join_group(self, req: Any) -> Any:
         assert self.gen is not None, "engine not started"
+        # gloo for a CPU engine: the same protocol end to end on machines without GPUs (tests, CI)
+        backend = "nccl" if self.gen.device.type == "cuda" else "gloo"
         group = W.TorchTransferGroup(req.master_addr, req.master_port, req.rank_offset, req.world_size,
-                                     backend="nccl", timeout_s=req.timeout_s)
+                                     backend=backend, timeout_s=req.timeout_s)
         warm = torch.zeros(1, device=self.gen.device)  # creates the communicator now, not in the first sync
         W.wait_work(group.broadcast(warm), req.timeout_s, "the group's first broadcast from learner rank 0")
         return group
@@ -473,6 +473,7 @@ class HFEngine(Engine):
                 raise WeightUpdateError(f"{name!r} {dtype} {list(shape)} does not match the served model "
                                         f"({'a repeat' if canonical in self._staged else spec})", name)
         loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
         try:
             received = await loop.run_in_executor(self._nccl_pool, self._receive, header)
         except Exception:
@@ -480,6 +481,7 @@ class HFEngine(Engine):
             raise
         for name, t in received.items():
             self._staged[self._alias.get(name, name)] = t
+        self.last_update_info = {"path": "staged", "worker_s": time.monotonic() - t0}  # swapped in at commit
         return sum(end - begin for begin, end in header.offsets)
 
     def _receive(self, header: Any) -> dict[str, torch.Tensor]:

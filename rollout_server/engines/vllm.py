@@ -29,8 +29,10 @@ Mapping onto vLLM:
   - ``fast`` (default): ``collective_rpc("tandem_prepare")`` on every worker (records a copy plan the
     first time a layout is seen: :mod:`rollout_server.load_plan`), then ``tandem_receive`` receives
     into persistent buffers and replays the plan's copies chunk by chunk
-    (:mod:`rollout_server.engines.vllm_fastload`). A worker that cannot plan (quantized model, a
-    loader that computes values) makes the engine fall back to native for good, logged with the reason;
+    (:mod:`rollout_server.engines.vllm_fastload`). Once every worker planned a stream, later syncs
+    of the same stream are one ``tandem_receive(layout=...)`` call (until a native update runs). A
+    worker that cannot plan (quantized model, a loader that reads values) makes the engine fall back
+    to native for good, logged with the reason;
   - ``native``: ``start_weight_update`` + ``update_weights(names, dtype_names, shapes, packed=True,
     packed_buffer_size_bytes=bucket_bytes)`` (layerwise reload through the model's loaders), and
     ``finish_weight_update`` at commit.
@@ -104,6 +106,7 @@ class VLLMEngine(Engine):
         self._fast_updated = False
         self._load_mode: str = srv.weight_load
         self._fast_refused: str | None = None  # why the fast path is off for good (first refusal)
+        self._fast_key: str | None = None  # stream every worker holds a plan for: one RPC per sync
         self._session_timeout_s = 600.0
         self._group_key: tuple | None = None
         self._bucket_bytes = 512 << 20
@@ -304,30 +307,54 @@ class VLLMEngine(Engine):
 
     async def _receive_fast(self, header: SyncBucketHeader, nbytes: int) -> bool:
         """False (nothing received) when a worker cannot plan this layout; raises if receiving fails."""
+        from rollout_server.load_plan import stream_key
+
         layout = {"names": list(header.names), "dtypes": list(header.dtypes), "shapes": header.shapes,
                   "offsets": [list(o) for o in header.offsets], "bucket_bytes": self._bucket_bytes}
+        key = stream_key(layout)
         t0 = time.monotonic()
-        plans = await self.llm.collective_rpc("tandem_prepare", timeout=self._session_timeout_s, kwargs={"layout": layout})
-        refused = [p for p in plans if not p.get("ok")]
-        if refused:
-            lasting = [p for p in refused if not p.get("transient")]
-            if not lasting:
-                log.info("fast weight load deferred (%s)", refused[0].get("reason", "?"))
+        if key == self._fast_key:  # every worker planned this stream: receive in one call
+            plans = None
+        else:
+            self._fast_key = None
+            plans = await self.llm.collective_rpc("tandem_prepare", timeout=self._session_timeout_s,
+                                                  kwargs={"layout": layout})
+            refused = [p for p in plans if not p.get("ok")]
+            if refused:
+                lasting = [p for p in refused if not p.get("transient")]
+                if not lasting:
+                    log.info("fast weight load deferred (%s)", refused[0].get("reason", "?"))
+                    return False
+                self._fast_refused = lasting[0].get("reason", "?")
+                log.warning("fast weight load refused (%s); vLLM's native update_weights from now on",
+                            self._fast_refused)
                 return False
-            self._fast_refused = lasting[0].get("reason", "?")
-            log.warning("fast weight load refused (%s); vLLM's native update_weights from now on", self._fast_refused)
-            return False
         t1 = time.monotonic()
         self._fast_updated = True  # from here the served weights are being overwritten in place
-        outs = await self.llm.collective_rpc("tandem_receive", timeout=self._session_timeout_s + 5,
-                                             kwargs={"timeout_s": self._session_timeout_s})
+        kwargs: dict[str, Any] = {"timeout_s": self._session_timeout_s}
+        if plans is None:
+            kwargs["layout"] = layout
+        self._fast_key = None  # until this receive succeeded on every worker
+        outs = await self.llm.collective_rpc("tandem_receive", timeout=self._session_timeout_s + 5, kwargs=kwargs)
         t2 = time.monotonic()
-        p = plans[0]
-        log.info("fast update: %d tensors, %.2f GB, %d chunks: prepare %.3fs%s, receive+copy %.3fs (%.1f GB/s; "
-                 "worker %.3fs), %d copies, %d fills, %d params untouched", len(header.names), nbytes / 1e9,
-                 p["chunks"], t1 - t0, " (plan recorded)" if p["recorded"] else "", t2 - t1,
-                 nbytes / max(t2 - t1, 1e-9) / 1e9, max(o["receive_s"] for o in outs), p["copies"], p["fills"],
-                 p["params_untouched"])
+        direct = [o for o in outs if o.get("path") == "direct"]
+        if direct:
+            self._fast_refused = f"a worker could not plan a known stream: {direct[0].get('reason', '?')}"
+            log.warning("fast weight load: this sync went through the loaders (%s); native from now on",
+                        self._fast_refused)
+        else:
+            self._fast_key = key
+        gpu = [o["gpu_s"] for o in outs if "gpu_s" in o]
+        info = (f"prepare {t1 - t0:.4f}s{' (plan recorded)' if plans[0].get('recorded') else ''}, "
+                f"{plans[0]['chunks']} chunks, {plans[0]['copies']} copies, {plans[0]['fills']} fills, "
+                f"{plans[0]['params_untouched']} params untouched, replay {plans[0]['graphs']}"
+                if plans else "one call (plan held by every worker)")
+        log.info("fast update: %d tensors, %.2f GB: receive+copy %.4fs (%.1f GB/s; worker %.4fs, gpu %s); %s",
+                 len(header.names), nbytes / 1e9, t2 - t1, nbytes / max(t2 - t1, 1e-9) / 1e9,
+                 max(o["receive_s"] for o in outs), f"{max(gpu):.4f}s" if gpu else "n/a", info)
+        self.last_update_info = {"path": "fast", "rpc_s": t2 - t1, "prepare_s": t1 - t0,
+                                 "worker_s": max(o["receive_s"] for o in outs), "gpu_s": max(gpu) if gpu else None,
+                                 "one_call": plans is None}
         return True
 
     async def _receive_native(self, header: SyncBucketHeader, names: list[str], nbytes: int) -> int:
@@ -348,7 +375,9 @@ class VLLMEngine(Engine):
             self._nccl_updating = False  # the worker closed its session on the failure
             raise
         self._received.update(names)
+        self._fast_key = None  # a native update may rewrap or move the parameters: plan again
         t2 = time.monotonic()
+        self.last_update_info = {"path": "native", "rpc_s": t2 - t1, "prepare_s": t1 - t0}
         log.info("nccl update: %d tensors, %.2f GB: start_weight_update %.3fs, update_weights %.3fs (%.1f GB/s)",
                  len(names), nbytes / 1e9, t1 - t0, t2 - t1, nbytes / max(t2 - t1, 1e-9) / 1e9)
         return nbytes

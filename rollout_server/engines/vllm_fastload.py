@@ -12,6 +12,15 @@ are reached with ``AsyncLLM.collective_rpc(name, kwargs=...)`` on every worker a
    that ``init_weight_transfer_engine`` built (the same group as the native path), each chunk copied
    into the served parameters as it lands.
 
+Once every worker has planned a stream, the engine sends the next syncs of the same stream as ONE
+call, ``tandem_receive(timeout_s, layout)``: one engine-core round trip less per sync (a
+``tandem_prepare`` that found its plan still took ~8 ms on an H200 server, more than NVLink needs
+to move a 2 GB model). The worker re-plans on the spot if its
+model storage moved; if it then cannot plan at all, the learner is already broadcasting and the
+other workers are receiving, so it receives through the model's own loaders instead
+(:meth:`~rollout_server.load_plan.FastLoader.receive_direct`) and says so (``path: direct``): the
+engine turns the fast path off after that sync.
+
 Quantized models are refused up front: their ``process_weights_after_loading`` repacks values, which
 a copy plan cannot express. Imported only inside vLLM's worker processes (never by the app).
 """
@@ -25,7 +34,7 @@ from typing import Any
 import torch
 
 from rollout_server import weights as W
-from rollout_server.load_plan import FastLoader, PlanError, chunk_layouts
+from rollout_server.load_plan import FastLoader, PlanError, chunk_layouts, layout_key, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -38,49 +47,91 @@ class TandemWorkerExtension:
         model = getattr(engine, "model", None)
         return model if model is not None else self.model_runner.model  # type: ignore[attr-defined]
 
-    def tandem_prepare(self, layout: dict[str, Any]) -> dict[str, Any]:
-        """``{"ok": True, ...plan summary}`` or ``{"ok": False, "reason": ..., "transient": bool}``; never raises.
+    def _tandem_wrapped(self) -> list[str]:
+        return [n for n, p in self._tandem_model().named_parameters()
+                if getattr(getattr(p, "weight_loader", None), "__name__", "") == "online_process_loader"]
 
-        Transient: vLLM's layerwise-reload wrappers are still on the weight loaders (seen on a server
-        started with ``load_format=dummy``, whose first update goes through them), so recording now
-        would capture their buffering. One native update unwraps them; the next sync tries again.
-        """
-        wrapped = [n for n, p in self._tandem_model().named_parameters()
-                   if getattr(getattr(p, "weight_loader", None), "__name__", "") == "online_process_loader"]
-        if wrapped:
-            return {"ok": False, "transient": True,
-                    "reason": f"{len(wrapped)} weight loaders still carry vLLM's layerwise-reload wrapper "
-                              f"({wrapped[0]!r} first): native for this sync"}
-        try:
-            quant = getattr(self.model_config, "quantization", None)  # type: ignore[attr-defined]
-            if quant:
-                raise PlanError(f"quantized model ({quant}): its weights are repacked after loading")
-            if getattr(self, "_weight_update_active", False):
-                raise PlanError("a native weight update is open on this worker")
-            loader = getattr(self, "_tandem_loader", None)
-            if loader is None:
-                loader = FastLoader(self._tandem_model(), self.device)  # type: ignore[attr-defined]
-                self._tandem_loader = loader
+    def _tandem_layouts(self, layout: dict[str, Any]) -> tuple[str, list]:
+        """``(layout_key, chunk layouts)`` of an announced stream, cut once per distinct stream."""
+        skey = stream_key(layout)
+        cached = getattr(self, "_tandem_cut", None)
+        if cached is None or cached[0] != skey:
             layouts = chunk_layouts(layout["names"], layout["dtypes"], layout["shapes"], layout["offsets"],
                                     int(layout["bucket_bytes"]))
-            return {"ok": True, **loader.prepare(layouts)}
-        except PlanError as exc:
-            return {"ok": False, "reason": str(exc)}
+            cached = (skey, layout_key(layouts), layouts)
+            self._tandem_cut = cached
+        return cached[1], cached[2]
+
+    def tandem_prepare(self, layout: dict[str, Any]) -> dict[str, Any]:
+        """``{"ok": True, ...plan summary}`` or ``{"ok": False, "reason", "transient", "loaders_usable"}``;
+        never raises.
+
+        Transient (a guard; not seen on vLLM 0.26): vLLM's layerwise-reload wrappers are on the weight
+        loaders, i.e. a native update's session is open, so recording now would capture their
+        buffering; the next sync tries again. ``loaders_usable``: the model's own loaders may be called
+        directly on received chunks (:meth:`tandem_receive`'s fallback): not for a quantized model
+        (its weights are repacked after loading) nor through the wrappers.
+        """
+        wrapped = self._tandem_wrapped()
+        if wrapped:
+            return {"ok": False, "transient": True, "loaders_usable": False,
+                    "reason": f"{len(wrapped)} weight loaders still carry vLLM's layerwise-reload wrapper "
+                              f"({wrapped[0]!r} first): native for this sync"}
+        quant = getattr(self.model_config, "quantization", None)  # type: ignore[attr-defined]
+        if quant:
+            return {"ok": False, "transient": False, "loaders_usable": False,
+                    "reason": f"quantized model ({quant}): its weights are repacked after loading"}
+        if getattr(self, "_weight_update_active", False):
+            return {"ok": False, "transient": True, "loaders_usable": False,
+                    "reason": "a native weight update is open on this worker"}
+        try:
+            key, layouts = self._tandem_layouts(layout)
+            return {"ok": True, **self._tandem_fast_loader().prepare(layouts, key)}
+        except PlanError as exc:  # the loaders do more than place bytes: they still load correctly themselves
+            return {"ok": False, "transient": False, "loaders_usable": True, "reason": str(exc)}
         except Exception as exc:  # noqa: BLE001 - reported to the engine, which falls back to native
             log.exception("tandem_prepare failed")
-            return {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}
+            return {"ok": False, "transient": False, "loaders_usable": False,
+                    "reason": f"{type(exc).__name__}: {exc}"}
 
-    def tandem_receive(self, timeout_s: float) -> dict[str, float]:
-        """One sync's chunks into the served weights; raises on a timeout (the engine marks an error)."""
+    def _tandem_fast_loader(self) -> FastLoader:
         loader = getattr(self, "_tandem_loader", None)
+        if loader is None:
+            loader = FastLoader(self._tandem_model(), self.device)  # type: ignore[attr-defined]
+            self._tandem_loader = loader
+        return loader
+
+    def tandem_receive(self, timeout_s: float, layout: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One sync's chunks into the served weights; raises on a timeout (the engine marks an error).
+
+        Without ``layout``: the plan ``tandem_prepare`` just made. With it (the one-call path): plan
+        here, or receive through the model's loaders when no plan can be made (module docstring).
+        """
         group = getattr(getattr(self, "weight_transfer_engine", None), "model_update_group", None)
-        if loader is None or group is None:
-            raise RuntimeError("tandem_receive without tandem_prepare / init_weight_transfer_engine")
+        if group is None:
+            raise RuntimeError("tandem_receive before init_weight_transfer_engine")
 
         def broadcast(buf: torch.Tensor, stream: Any) -> None:
             group.broadcast(buf, src=0, stream=stream)
 
-        return loader.receive(broadcast, time.monotonic() + float(timeout_s))
+        deadline = time.monotonic() + float(timeout_s)
+        if layout is None:
+            loader = getattr(self, "_tandem_loader", None)
+            if loader is None:
+                raise RuntimeError("tandem_receive without tandem_prepare")
+            return {"path": "plan", **loader.receive(broadcast, deadline)}
+        info = self.tandem_prepare(layout)
+        loader = self._tandem_fast_loader()
+        if info["ok"]:
+            return {"path": "plan", "recorded": info["recorded"], **loader.receive(broadcast, deadline)}
+        layouts = self._tandem_layouts(layout)[1]
+        if not info["loaders_usable"]:
+            loader.receive_direct(layouts, broadcast, deadline, load=False)
+            raise RuntimeError(f"fast weight load: no plan and no direct load possible ({info['reason']}); the "
+                               f"stream was drained; this worker's weights are unchanged, other workers' may be new")
+        log.warning("fast weight load: no plan for this sync (%s); receiving through the model's loaders",
+                    info["reason"])
+        return {"path": "direct", "reason": info["reason"], **loader.receive_direct(layouts, broadcast, deadline)}
 
     def tandem_digest(self) -> str:
         """Exact digest of this worker's served parameters (TP shards differ between workers)."""
