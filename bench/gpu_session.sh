@@ -20,6 +20,7 @@
 #   bash bench/gpu_session.sh Y1   # GPU tests of the fast load path + bench 0.5b, 7b TP 1 (fast block, native block)
 #   bash bench/gpu_session.sh Y2   # bench 1.5b TP 2; the 2 + 2 split 200 steps, overlap, fast load, drain fence
 #   bash bench/gpu_session.sh Y3   # bench on random-weight checkpoints: 0.5b, 7b TP 1, 1.5b TP 2; a dummy-load probe
+#   bash bench/gpu_session.sh Y4   # GPU tests + bench 0.5b, 7b: verifies the fence/commit/fingerprint changes
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -27,7 +28,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -332,12 +333,25 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     bundle logs-Y3.tar.gz "$OUT/bench-logs" "$OUT/bench-logs-dummy"
     rm -rf "$OUT/bench-logs" "$OUT/bench-logs-dummy"
     ;;
+  Y4)  # ~7 min: verify session 3's last changes, never run on a GPU when written: the fence's pause without
+       # vLLM's 20 ms settle sleep, the commit's gathered cache resets, the batched fingerprint (GPU tests:
+       # fence under load, greedy after a sync, fast vs native digests), then the blocking stall they cut
+    BUDGET=${BUDGET:-560}
+    mkdir -p .make && touch .make/installed
+    step models 120 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
+      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b"
+    step gpu-tests 200 python3 -m pytest -q -m gpu -rA -s --tb=short -p no:cacheprovider tests/test_gpu_vllm.py \
+      tests/test_gpu_load_plan.py
+    step bench-y4 230 $BENCH --presets 0.5b,7b --weight-load fast,native --syncs 5 --weights random \
+      --log-dir "$OUT/bench-logs" --out "$OUT/bench-y4.json"
+    bundle logs-Y4.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|E" >&2
     exit 2
     ;;
 esac

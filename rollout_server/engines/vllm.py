@@ -261,7 +261,21 @@ class VLLMEngine(Engine):
         return int(self.srv.tensor_parallel_size) * self._dp
 
     async def pause(self) -> None:
-        await self.llm.pause_generation(mode="abort", clear_cache=True)
+        """``pause_generation(mode="abort", clear_cache=True)`` without its fixed 20 ms settle sleep.
+
+        That sleep lets outputs of in-flight requests reach their callers before the call returns; our
+        admission gate has already drained or cancelled every request, so nothing is left to settle and
+        the sleep was over half of an idle server's fence. vLLM releases without the two calls it makes
+        (``renderer.clear_mm_cache_async``, ``engine_core.pause_scheduler_async``) take the public path.
+        """
+        core, renderer = getattr(self.llm, "engine_core", None), getattr(self.llm, "renderer", None)
+        pause = getattr(core, "pause_scheduler_async", None)
+        clear = getattr(renderer, "clear_mm_cache_async", None)
+        if pause is None or clear is None:
+            await self.llm.pause_generation(mode="abort", clear_cache=True)
+            return
+        await clear()
+        await pause(mode="abort", clear_cache=True)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
@@ -416,10 +430,11 @@ class VLLMEngine(Engine):
             self._staged = {}
         else:
             raise WeightUpdateError("nothing was sent in this session")
-        # False while requests hold KV blocks; after our drain and pause it must be True.
-        ok = bool(await self.llm.reset_prefix_cache())
-        await self.llm.reset_mm_cache()
-        await self.llm.reset_encoder_cache()
+        # False while requests hold KV blocks; after our drain and pause it must be True. The three resets
+        # are independent engine-core calls: issued together, their round trips (~5 ms each) overlap.
+        ok, _, _ = await asyncio.gather(self.llm.reset_prefix_cache(), self.llm.reset_mm_cache(),
+                                        self.llm.reset_encoder_cache())
+        ok = bool(ok)
         if expected_fingerprint is not None:
             self._fingerprint = expected_fingerprint
         if not ok:

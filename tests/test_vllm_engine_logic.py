@@ -1,0 +1,144 @@
+"""The vLLM engine's own logic (rollout_server/engines/vllm.py) against a stand-in for AsyncLLM.
+
+vLLM does not run on CPU CI, so ``AsyncLLM`` is replaced by an object with the calls the engine makes;
+its ``collective_rpc`` goes into real worker-extension hosts (tests/test_vllm_fastload_extension.py)
+that load real chunks. What is checked here is the engine's part: which worker calls a sync makes (a
+prepare once, then one call per sync, again after a native update), turning the fast path off, the
+fence's pause without vLLM's settle sleep (and the public call where the internals are missing), and
+the commit's cache resets. The real thing runs in tests/test_gpu_vllm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.test_load_plan import hf_weights, native, same, stream
+from tests.test_vllm_fastload_extension import Group, Worker, layout_of
+
+
+class FakeAsyncLLM:
+    """``collective_rpc`` into real extension workers (what AsyncLLM does through its engine core)."""
+
+    def __init__(self, workers, chunks_per_sync, prefix_ok=True):
+        self.workers, self.calls, self.chunks_per_sync, self.prefix_ok = workers, [], chunks_per_sync, prefix_ok
+
+    async def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return self.prefix_ok  # False: KV blocks still held
+
+    async def reset_mm_cache(self):
+        self.calls.append("reset_mm_cache")
+
+    async def reset_encoder_cache(self):
+        self.calls.append("reset_encoder_cache")
+
+    async def collective_rpc(self, method, timeout=None, kwargs=None):
+        self.calls.append(method)
+        if method == "tandem_receive":
+            for w in self.workers:
+                w.weight_transfer_engine.model_update_group = Group(self.chunks_per_sync())
+        return [getattr(w, method)(**(kwargs or {})) for w in self.workers]
+
+
+def _engine(workers, chunks_per_sync):
+    from rollout_server.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the load-path logic on fake RPCs
+    engine.llm = FakeAsyncLLM(workers, chunks_per_sync)
+    engine._bucket_bytes, engine._session_timeout_s = 600, 30.0
+    engine._fast_key, engine._fast_refused, engine._fast_updated = None, None, False
+    engine.last_update_info = None
+    return engine
+
+
+def _header(weights):
+    from common.protocol import SyncBucketHeader
+
+    lay = layout_of(weights)
+    return SyncBucketHeader(session="s", index=0, names=lay["names"], dtypes=lay["dtypes"], shapes=lay["shapes"],
+                            offsets=lay["offsets"])
+
+
+def test_engine_prepares_once_then_receives_in_one_call_until_a_native_update():
+    workers = [Worker(), Worker()]
+    current = {"w": hf_weights(1)}
+    engine = _engine(workers, lambda: stream(current["w"], 600)[1])
+    for seed in (1, 2):
+        current["w"] = hf_weights(seed)
+        engine.llm.calls.clear()
+        assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))
+        want = ["tandem_prepare", "tandem_receive"] if seed == 1 else ["tandem_receive"]
+        assert engine.llm.calls == want, (seed, engine.llm.calls)
+        assert engine.last_update_info["one_call"] is (seed == 2)
+        for w in workers:
+            same(w.weight_transfer_engine.model, native(current["w"]))
+    engine._fast_key = None  # what _receive_native does: plan again after a native update
+    engine.llm.calls.clear()
+    assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))
+    assert engine.llm.calls == ["tandem_prepare", "tandem_receive"]
+
+
+def test_engine_turns_the_fast_path_off_after_a_worker_loaded_through_its_loaders():
+    workers = [Worker(), Worker()]
+    current = {"w": hf_weights(1)}
+    engine = _engine(workers, lambda: stream(current["w"], 600)[1])
+    assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))
+    workers[1].weight_transfer_engine.model.mode = "item"
+    workers[1].weight_transfer_engine.model.qkv.data = workers[1].weight_transfer_engine.model.qkv.data.clone()
+    current["w"] = hf_weights(2)
+    assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))  # one call; worker 1 goes direct
+    assert engine._fast_refused and "could not plan" in engine._fast_refused
+    assert engine._fast_key is None
+    same(workers[1].weight_transfer_engine.model, native(current["w"], "item"))
+
+
+class FakeCore:
+    def __init__(self, log):
+        self.log = log
+
+    async def pause_scheduler_async(self, mode, clear_cache):
+        self.log.append(("pause_scheduler", mode, clear_cache))
+
+
+class FakeRenderer:
+    def __init__(self, log):
+        self.log = log
+
+    async def clear_mm_cache_async(self):
+        self.log.append(("clear_mm_cache",))
+
+
+class PausingLLM:
+    def __init__(self, internals: bool):
+        self.log: list[tuple] = []
+        if internals:
+            self.engine_core, self.renderer = FakeCore(self.log), FakeRenderer(self.log)
+
+    async def pause_generation(self, mode, clear_cache):
+        self.log.append(("pause_generation", mode, clear_cache))
+        await asyncio.sleep(0.02)  # vLLM's settle sleep
+
+
+def test_pause_skips_the_settle_sleep_where_the_internals_exist_and_falls_back_elsewhere():
+    engine = _engine([], lambda: [])
+    engine.llm = PausingLLM(internals=True)
+    asyncio.run(engine.pause())
+    assert engine.llm.log == [("clear_mm_cache",), ("pause_scheduler", "abort", True)]
+    engine.llm = PausingLLM(internals=False)  # a vLLM release without them: the public call
+    asyncio.run(engine.pause())
+    assert engine.llm.log == [("pause_generation", "abort", True)]
+
+
+def test_commit_after_a_fast_update_resets_every_cache_and_reports_a_failed_prefix_reset():
+    current = {"w": hf_weights(1)}
+    for prefix_ok in (True, False):
+        engine = _engine([Worker()], lambda: stream(current["w"], 600)[1])
+        engine.llm.prefix_ok = prefix_ok
+        engine._manifest = {n: None for n in layout_of(current["w"])["names"]}
+        engine._nccl_updating, engine._staged, engine._fingerprint = False, {}, "unknown"
+        assert asyncio.run(engine._receive_fast(_header(current["w"]), 1))
+        engine._received = set(engine._manifest)
+        engine.llm.calls.clear()
+        assert asyncio.run(engine.commit("f" * 16)) is prefix_ok
+        assert sorted(engine.llm.calls) == ["reset_encoder_cache", "reset_mm_cache", "reset_prefix_cache"]
+        assert engine.fingerprint() == "f" * 16 and not engine._fast_updated and not engine._received
