@@ -310,7 +310,7 @@ class SyncInitRequest(_Message):
     Example:
         {"client": "learner-rank0", "transport": "http", "bucket_bytes": 536870912,
          "master_addr": null, "master_port": null, "world_size": null, "rank_offset": 1,
-         "timeout_s": 600.0}
+         "backend": "nccl", "timeout_s": 600.0}
     """
 
     client: str = Field(min_length=1)
@@ -327,6 +327,9 @@ class SyncInitRequest(_Message):
     """Weight-transfer group size = 1 (learner rank 0) + server workers; required for ``nccl``."""
     rank_offset: int = Field(1, ge=1)
     """Rank of the first server worker in that group (learner rank 0 is rank 0)."""
+    backend: Literal["nccl", "gloo"] = "nccl"
+    """The group's backend, as learner rank 0 builds it: ``nccl`` for weights on a GPU, ``gloo`` on
+    CPU (only an engine on CPU joins a gloo group); a mismatch is refused before anyone waits."""
     timeout_s: float = Field(600.0, gt=0)
     """Seconds the whole session may take; past it the server aborts it and keeps the old weights."""
     weight_load: Literal["fast", "native"] | None = None

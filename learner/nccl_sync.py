@@ -141,7 +141,7 @@ class NcclWeightSender:
         world = 1 + health.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
         rdv = {"master_addr": self.master_addr, "master_port": free_port(self.master_addr), "world_size": world,
-               "rank_offset": 1}
+               "rank_offset": 1, "backend": backend}
         box: dict[str, Any] = {}
 
         def init() -> None:

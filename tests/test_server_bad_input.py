@@ -133,10 +133,17 @@ def test_sync_calls_out_of_order_get_409_and_unknown_sessions_are_named(server, 
     session.abort("test done")
 
 
+def test_a_collective_init_with_a_backend_the_engine_cannot_join_is_refused_at_once(http):
+    body = {"client": "x", "transport": "nccl", "master_addr": "127.0.0.1", "master_port": free_port_block(1),
+            "world_size": 2, "timeout_s": 30}  # backend defaults to nccl: a GPU learner; this server is on CPU
+    err = error_of(http.post("/sync/init", json=body, headers=admin()), 400)
+    assert err.field == "backend" and "gloo" in err.message and "CPU" in err.message
+
+
 def test_a_collective_init_nobody_joins_fails_within_its_deadline_and_leaves_no_session(server, http):
     port = free_port_block(1)  # no learner hosts this rendezvous
     body = {"client": "x", "transport": "nccl", "master_addr": "127.0.0.1", "master_port": port, "world_size": 2,
-            "timeout_s": 2}
+            "backend": "gloo", "timeout_s": 2}
     t0 = time.monotonic()
     r = http.post("/sync/init", json=body, headers=admin())
     assert time.monotonic() - t0 < 60, "the init must give up at its own deadline (2 s), not hang"

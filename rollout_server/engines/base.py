@@ -64,6 +64,10 @@ class Engine(abc.ABC):
         #: How the last NCCL update was loaded (engine-specific timings), returned by ``/sync/update``.
         self.last_update_info: dict[str, float | str | bool | None] | None = None
 
+    def collective_backend(self) -> str:
+        """Backend of the weight-transfer group this engine joins for ``transport: nccl``."""
+        return "nccl"
+
     # ---------------------------------------------------------------- lifecycle
 
     @abc.abstractmethod

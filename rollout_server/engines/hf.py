@@ -433,6 +433,9 @@ class HFEngine(Engine):
     #: does the same with CPU tensors), so the whole protocol runs on machines without GPUs.
     transports = ("http", "nccl")
 
+    def collective_backend(self) -> str:
+        return "nccl" if self.gen is not None and self.gen.device.type == "cuda" else "gloo"
+
     async def init_nccl(self, req: Any) -> None:
         """Join learner rank 0's weight-transfer group (kept across syncs while the rendezvous is the same)."""
         key = (req.master_addr, req.master_port, req.world_size, req.rank_offset)
@@ -449,9 +452,8 @@ class HFEngine(Engine):
     def _join_group(self, req: Any) -> Any:
         assert self.gen is not None, "engine not started"
         # gloo for a CPU engine: the same protocol end to end on machines without GPUs (tests, CI)
-        backend = "nccl" if self.gen.device.type == "cuda" else "gloo"
         group = W.TorchTransferGroup(req.master_addr, req.master_port, req.rank_offset, req.world_size,
-                                     backend=backend, timeout_s=req.timeout_s)
+                                     backend=self.collective_backend(), timeout_s=req.timeout_s)
         warm = torch.zeros(1, device=self.gen.device)  # creates the communicator now, not in the first sync
         W.wait_work(group.broadcast(warm), req.timeout_s, "the group's first broadcast from learner rank 0")
         return group
