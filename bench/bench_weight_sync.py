@@ -24,7 +24,7 @@ For each preset (Qwen2.5-VL architecture, ``tools/make_tiny_model.py`` sizes):
    a perturbation must differ (so "equal" means something). A mismatch is printed loudly and the
    exit code is 2.
 
-Per sync: fence (``/sync/begin``), wire (the one ``/sync/update`` while rank 0 broadcasts, until
+Per sync: prep (``/sync/init``, the plan, the fingerprint), fence (``/sync/begin``), wire (the one ``/sync/update`` while rank 0 broadcasts, until
 every chunk is loaded: HTTP, the engine's worker RPC and the transfer), commit (cache resets + ver),
 total = the learner's stall in blocking mode; sync GB/s = bytes / wire. From the update's reply
 (``SyncBucketResponse.load``): which load path really ran, the worker RPC's time, and the slowest
@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO))
 PYPATH = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # keep what vLLM was installed under
 
 LOAD_PATHS = ("fast", "native")
-PHASES = ("fence_s", "wire_s", "commit_s", "total_s", "server_update_s", "rpc_s", "worker_s", "gpu_s")
+PHASES = ("prep_s", "fence_s", "wire_s", "commit_s", "total_s", "server_update_s", "rpc_s", "worker_s", "gpu_s")
 #: Warm-up pushes per path at most, until the server reports that path ran (see the module docstring).
 WARMUP_TRIES = 3
 # Server log lines kept in the result: one per update (which path ran, its own timing) and a refusal.
@@ -230,10 +230,10 @@ def digest_verdict(d: dict | None) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| model | TP | GB | chunks | load | fence s | wire s | commit s | stall s (total) | server update s "
+    rows = ["| model | TP | GB | chunks | load | prep s | fence s | wire s | commit s | stall s (total) | server update s "
             "| worker GPU s | sync GB/s | data GB/s | raw GB/s (1 buffer / chunked) | sync / raw (1 buffer / chunked) "
             "| data / raw chunked | warm-up push s | digest |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         raw = r.get("raw")
         raw_txt = f"{raw['single_s']['gb_s']:.1f} / {raw['chunked_s']['gb_s']:.1f}" if raw else "-"
@@ -246,7 +246,8 @@ def table(results: list[dict]) -> str:
             data = f"{s['data_gb_s']:.1f}" if "data_gb_s" in s else "-"
             data_share = f"{100 * s['data_vs_raw_chunked']:.0f}%" if "data_vs_raw_chunked" in s else "-"
             rows.append(f"| {r['preset']} | {r.get('tp', 1)} | {r['bytes'] / 1e9:.2f} | {r['chunks']} | {label} | "
-                        f"{m['fence_s']:.3f} | {m['wire_s']:.3f} | {m['commit_s']:.3f} | {m['total_s']:.3f} | "
+                        f"{m.get('prep_s', float('nan')):.3f} | {m['fence_s']:.3f} | {m['wire_s']:.3f} | "
+                        f"{m['commit_s']:.3f} | {m['total_s']:.3f} | "
                         f"{m.get('server_update_s', float('nan')):.3f} | {m.get('gpu_s', float('nan')):.4f} | "
                         f"{s['sync_gb_s']:.1f} | {data} | {raw_txt} | {share} | {data_share} | "
                         f"{warm:.2f} | {digest_verdict(r.get('digest'))} |")
@@ -423,7 +424,8 @@ def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str, mode
     def push(mode: str) -> dict:
         r = sender.push(model.named_parameters(), bucket_bytes=bucket_mb << 20, fence="drain", weight_load=mode)
         load = r.server_load or {}
-        return {"ver": r.ver, "fence_s": r.fence_s, "wire_s": r.wire_s, "commit_s": r.commit_s, "total_s": r.total_s,
+        # prep: /sync/init, the plan and the fingerprint, before the fence (total = prep+fence+wire+commit)
+        return {"ver": r.ver, "prep_s": r.total_s - r.fence_s - r.wire_s - r.commit_s, "fence_s": r.fence_s, "wire_s": r.wire_s, "commit_s": r.commit_s, "total_s": r.total_s,
                 "bytes": r.bytes, "chunks": r.n_buckets, "server_update_s": r.server_update_s,
                 "load_path": load.get("path"), "one_call": load.get("one_call"),
                 **{k: load.get(k) for k in ("rpc_s", "worker_s", "gpu_s")}}

@@ -80,7 +80,7 @@ def test_raw_broadcast_puts_rank_0_on_the_learner_gpu_and_one_rank_per_server_gp
 
 
 def _rec(mode, warm, wire, total=None, ver=1):
-    return {"mode": mode, "warmup": warm, "ver": ver, "fence_s": 0.02, "wire_s": wire, "commit_s": 0.01,
+    return {"mode": mode, "warmup": warm, "ver": ver, "prep_s": 0.04, "fence_s": 0.02, "wire_s": wire, "commit_s": 0.01,
             "total_s": total if total is not None else wire + 0.05, "server_update_s": wire - 0.01, "bytes": 2 * GB,
             "load_path": mode, "rpc_s": wire - 0.002, "worker_s": wire - 0.003, "gpu_s": wire - 0.004}
 
@@ -226,7 +226,7 @@ def _result(digest_ok=True, fast_effective=True):
 def test_table_has_one_row_per_preset_and_path_and_flags_problems():
     rows = b.table([_result(), {**_result(), "preset": "7b", "tp": 2}]).splitlines()
     assert len(rows) == 2 + 4
-    assert rows[2].startswith("| 0.5b | 1 | 2.00 | 4 | fast |")
+    assert rows[2].startswith("| 0.5b | 1 | 2.00 | 4 | fast | 0.040 | 0.020 |")  # prep, then fence
     assert rows[3].startswith("| 0.5b | 1 | 2.00 | 4 | native |")
     assert rows[4].startswith("| 7b | 2 |")
     assert all(r.rstrip().endswith("| equal |") for r in rows[2:])
