@@ -25,21 +25,11 @@ intercepts every aten op writing into a parameter or buffer of the model and doe
 Every written parameter must be covered exactly (written elements == its size, checked with a mask
 where writes overlap); parameters the stream never touches are counted and reported.
 
-How a plan is replayed (:class:`FastLoader`): chunk ``k`` is received into slot ``k % num_buffers``
-of persistent buffers; on CUDA the receive runs on one stream and the chunk's copies on another, so
-copying chunk ``k`` overlaps receiving chunk ``k + 1`` and a slot is reused only once its copies are
-done (events). On CUDA each chunk's ops are also captured once into a CUDA graph (capturing runs
-nothing), so a replay is one graph launch per chunk instead of one Python-issued kernel per tensor
-(~850 copies at an estimated ~5 us of host time each are about what NVLink needs for a 2 GB model). A capture that fails leaves the plan replayed op by op (``summary()["graphs"]`` says which).
-Every host wait polls against a deadline.
+A plan is replayed by :class:`rollout_server.fast_loader.FastLoader` (receive buffers, CUDA streams
+and graphs, deadlines).
 
-When no plan can be made while the stream is already on its way (:meth:`FastLoader.receive_direct`),
-the chunks are received into the same buffers and handed to the model's own loader, so the peers of
-the collective are never left waiting.
-
-What this module does not know: vLLM. It takes a model, a ``load_fn`` (``model.load_weights``) and a
-``broadcast(buffer, stream)`` callable; ``rollout_server/engines/vllm_fastload.py`` binds them inside
-vLLM's workers, and tests bind them to plain modules and gloo.
+What this module does not know: vLLM, CUDA streams, or how bytes arrive. It takes a model, a
+``load_fn`` (``model.load_weights``) and buffers to record against.
 """
 
 from __future__ import annotations
@@ -59,10 +49,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rollout_server import weights as W
 
 log = logging.getLogger(__name__)
-
-#: Receive slots (as vLLM's packed consumer: chunk k+1 arrives while chunk k is copied).
-NUM_BUFFERS = 2
-_ALIGN = 64  # bytes: every slot can be viewed as any protocol dtype
 
 _FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
 #: Ops that hand received values to Python: a loader branching on them cannot be replayed.
@@ -131,7 +117,8 @@ def chunk_views(buf: torch.Tensor, layout: ChunkLayout) -> list[tuple[str, torch
 # ---------------------------------------------------------------------------------------- recording
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_of(t: torch.Tensor) -> int:
+    """Identity of the memory a tensor views (its storage's data pointer)."""
     return t.untyped_storage().data_ptr()
 
 
@@ -147,13 +134,14 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in an op's arguments or result (nested lists, tuples, dicts)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in tensors_in(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in tensors_in(o)]
     return []
 
 
@@ -185,11 +173,11 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         written = _written(func, args, kwargs)
-        hits = [t for t in written if _storage(t) in self.targets]
+        hits = [t for t in written if storage_of(t) in self.targets]
         if hits:
             return self._model_write(func, args, hits)
-        inputs = _tensors(args) + _tensors(kwargs)
-        if not any(_storage(t) in self.sources for t in inputs):
+        inputs = tensors_in(args) + tensors_in(kwargs)
+        if not any(storage_of(t) in self.sources for t in inputs):
             return func(*args, **kwargs)  # nothing received flows in: same result every sync
         if func in _READS_VALUES:
             self._refuse(f"the loader reads received values ({func}) and may branch on them")
@@ -197,9 +185,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if written:  # in place into a scratch tensor (e.g. empty() then copy_ of received bytes): replay the call
             self.ops.append(("call", func, args, kwargs))
-            self._derive(func, [t for t in written if _storage(t) not in self.sources])
+            self._derive(func, [t for t in written if storage_of(t) not in self.sources])
         else:  # a new tensor computed from received bytes (views need nothing: they alias)
-            fresh = [t for t in _tensors(out) if _storage(t) not in {_storage(i) for i in inputs}]
+            fresh = [t for t in tensors_in(out) if storage_of(t) not in {storage_of(i) for i in inputs}]
             if fresh:
                 self.ops.append(("compute", func, args, kwargs, out))
                 self._derive(func, fresh)
@@ -208,9 +196,9 @@ class _Recorder(TorchDispatchMode):
     def _derive(self, func: Any, tensors: list[torch.Tensor]) -> None:
         """``tensors`` now hold received bytes each replay: copies from them are replayable."""
         for t in tensors:
-            if _storage(t) in self.sources:
+            if storage_of(t) in self.sources:
                 continue
-            self.sources.add(_storage(t))
+            self.sources.add(storage_of(t))
             self.derived_bytes += t.untyped_storage().nbytes()
             self.derived_by[str(func)] = self.derived_by.get(str(func), 0) + t.untyped_storage().nbytes()
             if str(func) not in self.derived_at:
@@ -222,10 +210,10 @@ class _Recorder(TorchDispatchMode):
                          f"(this chunk, by op: {', '.join(f'{k} {v >> 20} MB' for k, v in top)}; {where})")
 
     def _model_write(self, func: Any, args: tuple, hits: list[torch.Tensor]) -> Any:
-        name = self.targets[_storage(hits[0])]
+        name = self.targets[storage_of(hits[0])]
         if func is torch.ops.aten.copy_.default:
             src = args[1]
-            if isinstance(src, torch.Tensor) and _storage(src) in self.sources:
+            if isinstance(src, torch.Tensor) and storage_of(src) in self.sources:
                 self.ops.append(("copy", args[0], src))
                 return args[0]
             what = (f"{src.dtype} {tuple(src.shape)} on {src.device}" if isinstance(src, torch.Tensor)
@@ -271,7 +259,8 @@ class LoadPlan:
                 "untouched": self.untouched[:8], "record_s": round(self.record_s, 4), "graphs": self.graph_note}
 
 
-def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, each storage once (what a plan may write)."""
     named = dict(model.named_parameters(remove_duplicate=True))
     for n, b in model.named_buffers(remove_duplicate=True):
         if b is not None and n not in named:
@@ -311,9 +300,9 @@ def record_plan(model: torch.nn.Module, load_fn: Callable[[list[tuple[str, torch
     parameter whose elements are not all covered, or a loader that rebinds a tensor (undone first).
     """
     t0 = time.perf_counter()
-    tensors = _model_tensors(model)
-    targets = {_storage(t): n for n, t in tensors.items()}
-    sources = {_storage(b) for b in buffers}
+    tensors = model_tensors(model)
+    targets = {storage_of(t): n for n, t in tensors.items()}
+    sources = {storage_of(b) for b in buffers}
     snap = _snapshot(model)
     ops: list[list[tuple]] = []
     derived = 0
@@ -336,21 +325,21 @@ def record_plan(model: torch.nn.Module, load_fn: Callable[[list[tuple[str, torch
         for kind, dst, *_ in chunk_ops:
             if kind not in ("copy", "fill"):
                 continue
-            counts[_storage(dst)] = counts.get(_storage(dst), 0) + dst.numel()
-            dsts.setdefault(_storage(dst), []).append(dst)
+            counts[storage_of(dst)] = counts.get(storage_of(dst), 0) + dst.numel()
+            dsts.setdefault(storage_of(dst), []).append(dst)
     written, untouched = [], []
     for name, t in tensors.items():
-        got = counts.get(_storage(t))
+        got = counts.get(storage_of(t))
         if got is None:
             untouched.append(name)
             continue
         written.append(name)
-        if got != t.numel() and not _covers(t, dsts[_storage(t)]):
+        if got != t.numel() and not _covers(t, dsts[storage_of(t)]):
             raise PlanError(f"{name!r}: the loader writes {got} of its {t.numel()} elements; a replay would leave "
                             f"stale values")
     flat = [op for chunk_ops in ops for op in chunk_ops]
     return LoadPlan(key=layout_key(layouts), layouts=list(layouts), ops=ops,
-                    storages={n: _storage(t) for n, t in tensors.items()},
+                    storages={n: storage_of(t) for n, t in tensors.items()},
                     n_copies=sum(op[0] == "copy" for op in flat), n_fills=sum(op[0] == "fill" for op in flat),
                     n_computes=sum(op[0] in ("compute", "call") for op in flat), derived_bytes=derived,
                     written=written, untouched=untouched, record_s=time.perf_counter() - t0)
@@ -364,188 +353,5 @@ def _covers(t: torch.Tensor, views: list[torch.Tensor]) -> bool:
     return bool(mask.as_strided(t.size(), t.stride(), t.storage_offset()).all())
 
 
-# ------------------------------------------------------------------------------------------- replay
-
-
-def _replay(ops: list[tuple]) -> None:
-    for op in ops:
-        kind = op[0]
-        if kind == "copy":
-            op[1].copy_(op[2])
-        elif kind == "fill":
-            op[1].fill_(op[2])
-        elif kind == "compute":  # recompute from this sync's bytes into the tensor later ops read
-            _, func, args, kwargs, out = op
-            for old, new in zip(_tensors(out), _tensors(func(*args, **kwargs))):
-                old.copy_(new)
-        else:  # "call": in place on such an intermediate
-            op[1](*op[2], **op[3])
-
-
-def _wait(event: Any, deadline: float, what: str) -> None:
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited past the sync deadline for {what}; learner rank 0 is gone or stuck")
-        time.sleep(0.0002)
-
-
-class FastLoader:
-    """Persistent receive buffers + the plan for the current layout, for one model on one device.
-
-    ``prepare(layouts)`` is cheap once a plan exists (a key compare and a storage check); the first
-    time, or when the layout or the model's storage changed, it records a new plan (~the cost of one
-    native load, no weights written) and, on CUDA, captures its graphs. ``receive(broadcast,
-    deadline)`` runs one sync.
-    """
-
-    def __init__(self, model: torch.nn.Module, device: torch.device,
-                 load_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None) -> None:
-        self.model, self.device = model, torch.device(device)
-        self.load_fn = load_fn or model.load_weights  # type: ignore[operator]
-        self.plan: LoadPlan | None = None
-        self.buffers: list[torch.Tensor] = []
-        self.use_graphs = self.device.type == "cuda"
-        self._streams: tuple[Any, Any] | None = None
-
-    def _ensure_buffers(self, nbytes: int) -> None:
-        nbytes = -(-nbytes // _ALIGN) * _ALIGN
-        if self.buffers and self.buffers[0].numel() >= nbytes:
-            return
-        self.plan = None  # its views (and graphs) point into the old buffers
-        self.buffers = []  # free the old slots before allocating the new ones
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_BUFFERS)]
-
-    def _stale(self, plan: LoadPlan) -> str | None:
-        now = {n: _storage(t) for n, t in _model_tensors(self.model).items()}
-        if now != plan.storages:
-            changed = sorted(set(now.items()) ^ set(plan.storages.items()))
-            return f"model storage changed since the plan was recorded ({changed[0][0]!r} first)"
-        return None
-
-    def prepare(self, layouts: list[ChunkLayout], key: str | None = None) -> dict[str, Any]:
-        """Plan for ``layouts`` (recorded if needed); raises :class:`PlanError` (nothing received yet).
-
-        ``key``: :func:`layout_key` of ``layouts`` when the caller already has it (saves hashing them).
-        """
-        key = key or layout_key(layouts)
-        if self.plan is not None and self.plan.key == key and self._stale(self.plan) is None:
-            return {"recorded": False, **self.plan.summary()}
-        self._ensure_buffers(max(c.nbytes for c in layouts))
-        self.plan = None  # a failed recording leaves no plan behind
-        plan = record_plan(self.model, self.load_fn, layouts, self.buffers)
-        if self.use_graphs:
-            self._capture(plan)
-        self.plan = plan
-        log.info("fast weight load: plan %s recorded in %.3fs: %d chunks, %d copies, %d fills, %d computes, "
-                 "%d tensors written, %d untouched; replay: %s", plan.key, plan.record_s, len(layouts), plan.n_copies,
-                 plan.n_fills, plan.n_computes, len(plan.written), len(plan.untouched), plan.graph_note)
-        return {"recorded": True, **plan.summary()}
-
-    def _capture(self, plan: LoadPlan) -> None:
-        """One CUDA graph per chunk, all in one memory pool (they replay in capture order, on one stream)."""
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        graphs: list[Any] = []
-        pool = None
-        try:
-            with torch.cuda.stream(side), torch.no_grad():
-                for chunk_ops in plan.ops:
-                    if not chunk_ops:
-                        graphs.append(None)
-                        continue
-                    g = torch.cuda.CUDAGraph()
-                    g.capture_begin(pool=pool, capture_error_mode="thread_local")
-                    try:
-                        _replay(chunk_ops)
-                    finally:
-                        g.capture_end()
-                    pool = pool if pool is not None else g.pool()
-                    graphs.append(g)
-        except Exception as exc:  # noqa: BLE001 - the op-by-op replay is always there
-            plan.graphs, plan.graph_note = None, f"eager (graph capture failed: {type(exc).__name__}: {exc})"[:300]
-            log.warning("fast weight load: %s", plan.graph_note)
-            return
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(side)
-        plan.graphs = graphs
-        plan.graph_note = f"cuda graphs ({sum(g is not None for g in graphs)}, captured in {time.perf_counter() - t0:.3f}s)"
-
-    def receive(self, broadcast: Callable[[torch.Tensor, Any], None], deadline: float) -> dict[str, float]:
-        """Receive every chunk of the prepared layout and replay its copies into the model's storage.
-
-        Returns host seconds (``receive_s``: first broadcast posted to last copy done; ``issue_s``: all
-        work queued) and on CUDA ``gpu_s``, the same span timed by events on the device.
-        """
-        plan = self.plan
-        if plan is None:
-            raise PlanError("receive() before a successful prepare()")
-        t0 = time.perf_counter()
-        out: dict[str, float] = {}
-        with torch.no_grad():
-            if self.device.type == "cuda":
-                out = self._receive_cuda(plan, broadcast, deadline, t0)
-            else:
-                for k, layout in enumerate(plan.layouts):
-                    broadcast(self.buffers[k % NUM_BUFFERS][:layout.nbytes], None)
-                    _replay(plan.ops[k])
-        return {"receive_s": time.perf_counter() - t0, "bytes": float(sum(c.nbytes for c in plan.layouts)), **out}
-
-    def _receive_cuda(self, plan: LoadPlan, broadcast: Callable[[torch.Tensor, Any], None], deadline: float,
-                      t0: float) -> dict[str, float]:
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
-        recv, copy = self._streams
-        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # The model's last forward and the caller's work are ordered before any byte lands.
-        start = torch.cuda.current_stream(self.device).record_event()
-        recv.wait_event(start)
-        copy.wait_event(start)
-        first.record(recv)
-        freed: list[Any] = [None] * NUM_BUFFERS
-        graphs = plan.graphs
-        for k, layout in enumerate(plan.layouts):
-            slot = k % NUM_BUFFERS
-            with torch.cuda.stream(recv):
-                if freed[slot] is not None:
-                    recv.wait_event(freed[slot])  # slot reuse only after the copies that read it
-                broadcast(self.buffers[slot][:layout.nbytes], recv)
-                arrived = recv.record_event()
-            with torch.cuda.stream(copy):
-                copy.wait_event(arrived)
-                if graphs is None:
-                    _replay(plan.ops[k])
-                elif graphs[k] is not None:
-                    graphs[k].replay()
-                freed[slot] = copy.record_event()
-        last.record(copy)
-        issued = time.perf_counter() - t0
-        _wait(last, deadline, f"{len(plan.layouts)} weight chunk(s) ({sum(c.nbytes for c in plan.layouts)} bytes)")
-        torch.cuda.current_stream(self.device).wait_event(last)
-        return {"issue_s": issued, "gpu_s": first.elapsed_time(last) / 1e3}
-
-    def receive_direct(self, layouts: list[ChunkLayout], broadcast: Callable[[torch.Tensor, Any], None],
-                       deadline: float, load: bool = True) -> dict[str, float]:
-        """No plan: receive each chunk into the buffers and run the model's own loader on it.
-
-        For a stream that is already being broadcast when planning fails (the other ranks of the
-        collective are receiving it): the same bytes land through the loader itself. ``load=False``
-        only drains the stream (the caller then reports an error).
-        """
-        self.plan = None  # the buffers' contents change under any recorded views
-        self._ensure_buffers(max(c.nbytes for c in layouts))
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for k, layout in enumerate(layouts):
-                buf = self.buffers[k % NUM_BUFFERS][:layout.nbytes]
-                broadcast(buf, None)  # the current stream: the loader below runs after it
-                if load:
-                    self.load_fn(chunk_views(buf, layout))
-            if self.device.type == "cuda":
-                done = torch.cuda.current_stream(self.device).record_event()
-                _wait(done, deadline, f"{len(layouts)} weight chunk(s) loaded without a plan")
-        return {"receive_s": time.perf_counter() - t0, "bytes": float(sum(c.nbytes for c in layouts))}
-
-
-__all__ = ["ChunkLayout", "FastLoader", "LoadPlan", "PlanError", "chunk_layouts", "chunk_views", "layout_key",
-           "record_plan", "stream_key", "NUM_BUFFERS"]
+__all__ = ["ChunkLayout", "LoadPlan", "PlanError", "chunk_layouts", "chunk_views", "layout_key", "model_tensors",
+           "record_plan", "storage_of", "stream_key", "tensors_in"]

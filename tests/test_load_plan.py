@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from rollout_server import weights as W
-from rollout_server.load_plan import FastLoader, PlanError, chunk_layouts, record_plan
+from rollout_server.fast_loader import FastLoader
+from rollout_server.load_plan import PlanError, chunk_layouts, record_plan
 from tests.ports import free_port_block
 
 H, KV, FF, VOCAB, PAD_VOCAB, TP_RANK, TP = 16, 8, 24, 50, 64, 1, 2

@@ -18,7 +18,7 @@ call, ``tandem_receive(timeout_s, layout)``: one engine-core round trip less per
 to move a 2 GB model). The worker re-plans on the spot if its
 model storage moved; if it then cannot plan at all, the learner is already broadcasting and the
 other workers are receiving, so it receives through the model's own loaders instead
-(:meth:`~rollout_server.load_plan.FastLoader.receive_direct`) and says so (``path: direct``): the
+(:meth:`~rollout_server.fast_loader.FastLoader.receive_direct`) and says so (``path: direct``): the
 engine turns the fast path off after that sync.
 
 Quantized models are refused up front: their ``process_weights_after_loading`` repacks values, which
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from rollout_server import weights as W
-from rollout_server.load_plan import FastLoader, PlanError, chunk_layouts, layout_key, stream_key
+from rollout_server.fast_loader import FastLoader
+from rollout_server.load_plan import PlanError, chunk_layouts, layout_key, stream_key
 
 log = logging.getLogger(__name__)
 
