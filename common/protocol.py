@@ -11,8 +11,9 @@ Links (direction headers below follow the same order)::
 
 HTTP bodies are JSON validated by the pydantic models here (server and client import the same
 classes); every model forbids unknown fields, so a typo is a 4xx naming the field, not a silent
-default. Any 4xx/5xx body is an :class:`ErrorResponse`. The ZMQ codecs live in
-:mod:`common.wire` and are re-exported here; their decoders raise only :class:`ProtocolError`.
+default. Any 4xx/5xx body is an :class:`ErrorResponse`. The ``/sync/*`` messages live in
+:mod:`common.sync_messages` and the ZMQ codecs in :mod:`common.wire`; both are re-exported here, so
+this is the one place to import a message from. The wire decoders raise only :class:`ProtocolError`.
 
 What this module does not know: sockets, engines, tokenizers, torch. It imports pydantic,
 msgpack and numpy only, so every process (and the CPU-only actor) can import it.
@@ -20,12 +21,29 @@ msgpack and numpy only, so every process (and the CPU-only actor) can import it.
 
 from __future__ import annotations
 
-import math
-from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from common.message_base import Message as _Message
+from common.sync_messages import (  # noqa: F401  (re-exported: the /sync/* half of the HTTP contract)
+    BUCKET_HEADER,
+    SYNC_DTYPE_BYTES,
+    SyncAbortRequest,
+    SyncAbortResponse,
+    SyncBeginRequest,
+    SyncBeginResponse,
+    SyncBucketHeader,
+    SyncBucketResponse,
+    SyncCommitRequest,
+    SyncCommitResponse,
+    SyncDigestResponse,
+    SyncDtype,
+    SyncInitRequest,
+    SyncInitResponse,
+    SyncState,
+    TensorSpec,
+)
 from common.wire import (  # noqa: F401  (re-exported: the ZMQ half of the contract)
     SCHEMA_VERSION,
     WIRE_DTYPES,
@@ -44,16 +62,8 @@ from common.wire import (  # noqa: F401  (re-exported: the ZMQ half of the contr
 MAX_TOKENS_LIMIT = 32768
 #: Upper bound on ``InferRequest.items``; clients split larger batches.
 MAX_BATCH = 1024
-#: HTTP request header carrying the JSON :class:`SyncBucketHeader` of a ``POST /sync/bucket`` body.
-BUCKET_HEADER = "X-Tandem-Bucket"
-#: Tensor dtypes of the weight-sync manifest and buckets (torch names), with their byte size.
-SYNC_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
-SyncDtype = Literal["bfloat16", "float16", "float32", "float64", "int64", "int32", "uint8"]
 
 
-class _Message(BaseModel):
-    # Field docstrings become the OpenAPI descriptions; NaN/inf are rejected everywhere.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 # =============================================================================================
@@ -232,20 +242,6 @@ class InferResponse(_Message):
 # =============================================================================================
 
 
-class SyncState(StrEnum):
-    """The server's weight-sync state machine (one client at a time; others get 409)::
-
-        idle --init--> open --begin (fence closes)--> fenced --bucket*--> fenced --commit--> committing
-        committing --(weights swapped, caches reset, ver += 1, fence opens)--> idle
-        open | fenced --abort, error or session timeout--> idle (old weights, old ver)
-    """
-
-    IDLE = "idle"
-    OPEN = "open"
-    FENCED = "fenced"
-    COMMITTING = "committing"
-
-
 class HealthResponse(_Message):
     """Body of ``GET /health``; the status code is 200 only when ``status == "ok"``.
 
@@ -273,277 +269,6 @@ class HealthResponse(_Message):
     engine_info: dict[str, Any] = Field(default_factory=dict)
     """Engine details for operators (``Engine.health_info``): device, dtype, TP/DP and, for vLLM, the
     weight-load path in use (``fast``, ``native``, or ``native (fast refused: <why>)``)."""
-
-
-# =============================================================================================
-# learner rank0 -> rollout server (HTTP, admin): POST /sync/{init,begin,bucket,update,commit,abort}
-# Bearer token required when configured. Order: init -> begin -> bucket|update x n -> commit.
-# GET /sync/digest (ops, tests) reads exact weight digests between sessions.
-# =============================================================================================
-
-
-class TensorSpec(_Message):
-    """Name, dtype and shape of one served parameter.
-
-    Example:
-        {"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [152064, 2048]}
-    """
-
-    name: str = Field(min_length=1)
-    """HF module name (no ``module.``/``_orig_mod.`` prefixes)."""
-    dtype: SyncDtype
-    """Serving dtype of this tensor (torch name)."""
-    shape: list[int]
-    """Dimensions, each >= 0."""
-
-    @field_validator("shape")
-    @classmethod
-    def _dims_non_negative(cls, shape: list[int]) -> list[int]:
-        if any(d < 0 for d in shape):
-            raise ValueError(f"dimensions must be >= 0, got {shape}")
-        return shape
-
-
-class SyncInitRequest(_Message):
-    """Body of ``POST /sync/init``: open a sync session (idle -> open).
-
-    Example:
-        {"client": "learner-rank0", "transport": "http", "bucket_bytes": 536870912,
-         "master_addr": null, "master_port": null, "world_size": null, "rank_offset": 1,
-         "backend": "nccl", "timeout_s": 600.0}
-    """
-
-    client: str = Field(min_length=1)
-    """Who pushes, for logs and 409 messages (e.g. ``learner-rank0@host:pid``)."""
-    transport: Literal["http", "nccl"]
-    """``http``: safetensors buckets in request bodies; ``nccl``: broadcast from learner rank 0."""
-    bucket_bytes: int = Field(512 * 2**20, ge=1)
-    """Bytes per bucket, at most; one tensor larger than this travels alone."""
-    master_addr: str | None = None
-    """NCCL rendezvous host (learner rank 0); required for ``nccl``, None for ``http``."""
-    master_port: int | None = Field(None, ge=1, le=65535)
-    """NCCL rendezvous port; required for ``nccl``, None for ``http``."""
-    world_size: int | None = Field(None, ge=2)
-    """Weight-transfer group size = 1 (learner rank 0) + server workers; required for ``nccl``."""
-    rank_offset: int = Field(1, ge=1)
-    """Rank of the first server worker in that group (learner rank 0 is rank 0)."""
-    backend: Literal["nccl", "gloo"] = "nccl"
-    """The group's backend, as learner rank 0 builds it: ``nccl`` for weights on a GPU, ``gloo`` on
-    CPU (only an engine on CPU joins a gloo group); a mismatch is refused before anyone waits."""
-    timeout_s: float = Field(600.0, gt=0)
-    """Seconds the whole session may take; past it the server aborts it and keeps the old weights."""
-    weight_load: Literal["fast", "native"] | None = None
-    """NCCL only: overrides ``rollout_server.weight_load`` for this session (the benchmark and the GPU
-    tests compare the two load paths on one server); None keeps the server's setting."""
-
-    @model_validator(mode="after")
-    def _nccl_needs_rendezvous(self) -> SyncInitRequest:
-        missing = [k for k in ("master_addr", "master_port", "world_size") if getattr(self, k) is None]
-        if self.transport == "nccl" and missing:
-            raise ValueError(f"transport 'nccl' needs {missing}")
-        if self.transport == "http" and self.weight_load is not None:
-            raise ValueError("weight_load applies to transport 'nccl' only; leave it null for 'http'")
-        return self
-
-
-class SyncInitResponse(_Message):
-    """Reply to ``/sync/init``: what the server expects to receive.
-
-    Example:
-        {"session": "s-7f3a", "ver": 3, "dtype": "bfloat16",
-         "manifest": [{"name": "lm_head.weight", "dtype": "bfloat16", "shape": [151936, 896]}],
-         "tied": [["model.embed_tokens.weight", "lm_head.weight"]]}
-    """
-
-    session: str
-    """Session id to quote in every later call."""
-    ver: int = Field(ge=0)
-    """Server weight version now."""
-    dtype: SyncDtype
-    """Serving dtype floating-point weights are cast to before sending."""
-    manifest: list[TensorSpec]
-    """Every served parameter the learner must send, once each."""
-    tied: list[list[str]] = Field(default_factory=list)
-    """Groups of names sharing one storage; send only the first name of each group."""
-
-
-class SyncBeginRequest(_Message):
-    """Body of ``POST /sync/begin``: close the fence (open -> fenced).
-
-    Example:
-        {"session": "s-7f3a", "mode": "drain", "expected_buckets": 4, "timeout_s": 60.0}
-    """
-
-    session: str
-    """From ``SyncInitResponse.session``."""
-    mode: Literal["drain", "abort"] = "drain"
-    """``drain``: finish in-flight requests first; ``abort``: cut them (finish_reason ``abort``)."""
-    expected_buckets: int | None = Field(None, ge=1)
-    """Buckets the learner will send, for progress and an early check; None = not announced."""
-    timeout_s: float = Field(60.0, gt=0)
-    """Seconds to wait for the drain; past it the begin fails with ``sync_timeout`` and the fence reopens."""
-
-
-class SyncBeginResponse(_Message):
-    """Reply to ``/sync/begin`` once no request runs on the engine.
-
-    Example:
-        {"ver_before": 3, "drained": 12, "aborted": 0, "fence_s": 0.8}
-    """
-
-    ver_before: int = Field(ge=0)
-    """Weight version the staged update will replace."""
-    drained: int = Field(ge=0)
-    """In-flight requests that finished before the fence closed."""
-    aborted: int = Field(ge=0)
-    """In-flight requests cut (``abort`` mode); their clients resubmit."""
-    fence_s: float = Field(ge=0)
-    """Seconds from the begin call to a quiet engine."""
-
-
-class SyncBucketHeader(_Message):
-    """Layout of one bucket, enough to validate it before staging (state stays fenced).
-
-    HTTP: JSON in the :data:`BUCKET_HEADER` request header of ``POST /sync/bucket``, whose body is a
-    safetensors blob; offsets are into its data section. NCCL: body of ``POST /sync/update``, sent
-    before rank 0 broadcasts one flat uint8 buffer; offsets are into that buffer.
-
-    Example:
-        {"session": "s-7f3a", "index": 0, "names": ["lm_head.weight"], "dtypes": ["bfloat16"],
-         "shapes": [[151936, 896]], "offsets": [[0, 272269312]]}
-    """
-
-    session: str
-    """From ``SyncInitResponse.session``."""
-    index: int = Field(ge=0)
-    """Bucket number within the session, from 0, consecutive."""
-    names: list[str] = Field(min_length=1)
-    """Parameter names in the bucket, each from the manifest, no repeats within the session."""
-    dtypes: list[SyncDtype]
-    """Dtype of each tensor, parallel to ``names``."""
-    shapes: list[list[int]]
-    """Shape of each tensor, parallel to ``names``."""
-    offsets: list[tuple[int, int]]
-    """Byte range ``[begin, end)`` of each tensor in the bucket, parallel to ``names``."""
-
-    @model_validator(mode="after")
-    def _layout_consistent(self) -> SyncBucketHeader:
-        n = len(self.names)
-        if not len(self.dtypes) == len(self.shapes) == len(self.offsets) == n:
-            raise ValueError("names, dtypes, shapes and offsets must have equal length")
-        if len(set(self.names)) != n:
-            raise ValueError("names repeat within the bucket")
-        for name, dtype, shape, (begin, end) in zip(self.names, self.dtypes, self.shapes, self.offsets):
-            if any(d < 0 for d in shape) or begin < 0:
-                raise ValueError(f"{name}: negative dimension or offset")
-            if end - begin != math.prod(shape) * SYNC_DTYPE_BYTES[dtype]:
-                raise ValueError(f"{name}: offsets span {end - begin} bytes, {dtype} {shape} needs "
-                                 f"{math.prod(shape) * SYNC_DTYPE_BYTES[dtype]}")
-        return self
-
-
-class SyncBucketResponse(_Message):
-    """Reply to ``/sync/bucket`` or ``/sync/update`` once the bucket is staged.
-
-    Example:
-        {"session": "s-7f3a", "index": 0, "n_tensors": 1, "nbytes": 272269312, "elapsed_s": 0.31}
-    """
-
-    session: str
-    """Echo."""
-    index: int = Field(ge=0)
-    """Echo of ``SyncBucketHeader.index``."""
-    n_tensors: int = Field(ge=0)
-    """Tensors staged from this bucket."""
-    nbytes: int = Field(ge=0)
-    """Bytes received."""
-    elapsed_s: float = Field(ge=0)
-    """Seconds from request to staged."""
-    load: dict[str, float | str | bool | None] | None = None
-    """``/sync/update`` only: how the engine loaded it (vLLM: ``path`` fast|native, ``rpc_s`` worker
-    call, ``worker_s`` / ``gpu_s`` receive+copy as the slowest worker timed it, ``one_call``)."""
-
-
-class SyncCommitRequest(_Message):
-    """Body of ``POST /sync/commit``: swap the staged weights in (fenced -> committing -> idle).
-
-    Example:
-        {"session": "s-7f3a", "n_buckets": 4, "fingerprint": "9c1e2a0b5d7f3e11"}
-    """
-
-    session: str
-    """From ``SyncInitResponse.session``."""
-    n_buckets: int = Field(ge=0)
-    """Buckets sent; the commit fails (old weights kept) if the server staged a different number or the
-    manifest is incomplete."""
-    fingerprint: str | None = None
-    """Learner-side weights fingerprint to compare after the swap; None = skip the comparison."""
-    min_ver: int | None = Field(default=None, ge=0)
-    """Lowest ver this commit may produce: the server sets ``ver = max(previous + 1, min_ver)``.
-    The learner passes its own ver + 1, so ver continues from ``max(server ver, checkpoint ver) + 1``
-    after a learner resume or a server restart and never goes back. None = previous + 1."""
-
-
-class SyncCommitResponse(_Message):
-    """Reply to ``/sync/commit``: the new weights are live and the fence is open.
-
-    Example:
-        {"ver": 4, "commit_s": 0.12, "fingerprint": "9c1e2a0b5d7f3e11"}
-    """
-
-    ver: int = Field(ge=0)
-    """New weight version: ``max(previous + 1, min_ver)``."""
-    commit_s: float = Field(ge=0)
-    """Seconds to swap weights and reset caches."""
-    fingerprint: str
-    """Server-side fingerprint of the weights now served."""
-
-
-class SyncAbortRequest(_Message):
-    """Body of ``POST /sync/abort``: drop the session and staged weights (any state but idle -> idle).
-
-    Example:
-        {"session": "s-7f3a", "reason": "learner rank 0 hit a NCCL timeout"}
-    """
-
-    session: str
-    """From ``SyncInitResponse.session``."""
-    reason: str | None = None
-    """Logged by the server; None = no reason given."""
-
-
-class SyncAbortResponse(_Message):
-    """Reply to ``/sync/abort``.
-
-    Example:
-        {"ver": 3, "state": "idle", "aborted": true}
-    """
-
-    ver: int = Field(ge=0)
-    """Weight version still served (unchanged)."""
-    state: SyncState
-    """State after the abort (``idle``)."""
-    aborted: bool
-    """False when no such session was open (an abort is idempotent)."""
-
-
-class SyncDigestResponse(_Message):
-    """Reply to ``GET /sync/digest`` (bearer token like every ``/sync/*``; 409 while a session is open).
-
-    One exact digest (``rollout_server.weights.exact_digest``: every element, not a sample) per
-    engine worker holding weights; equal digests mean bit-identical weights across workers, or
-    between two weight-load paths, or with the tensors the learner pushed (cast to the serving dtype).
-
-    Example:
-        {"engine": "vllm", "ver": 4, "digests": ["3f9c0e1ab2d47c55", "3f9c0e1ab2d47c55"]}
-    """
-
-    engine: str
-    """``vllm`` or ``hf``."""
-    ver: int = Field(ge=0)
-    """Weight version the digests were computed under."""
-    digests: list[str] = Field(min_length=1)
-    """Hex digest per worker (tensor x data parallel rank order); the hf engine has one."""
 
 
 # =============================================================================================

@@ -38,6 +38,7 @@ _ALIGN = 64  # bytes: every slot can be viewed as any protocol dtype
 
 
 def _replay(ops: list[tuple]) -> None:
+    """One chunk's recorded ops, in order (also what a CUDA graph captures)."""
     for op in ops:
         kind = op[0]
         if kind == "copy":

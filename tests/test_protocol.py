@@ -20,14 +20,22 @@ from common import protocol as P
 from common.segment import Pack
 from tests.factories import make_segment
 
+# Every message model common.protocol offers, its own and the /sync/* ones it re-exports.
 HTTP_MODELS = sorted(
     (
         obj
         for name, obj in vars(P).items()
-        if isinstance(obj, type) and issubclass(obj, BaseModel) and obj.__module__ == P.__name__ and name[0] != "_"
+        if isinstance(obj, type) and issubclass(obj, BaseModel) and name[0] != "_"
+        and obj.__module__ in (P.__name__, "common.sync_messages")
     ),
     key=lambda m: m.__name__,
 )
+
+
+def test_the_model_list_covers_both_halves_of_the_http_contract():
+    names = {m.__name__ for m in HTTP_MODELS}
+    assert {"InferRequest", "HealthResponse", "ErrorResponse"} <= names
+    assert {"SyncInitRequest", "SyncBucketHeader", "SyncCommitResponse", "SyncDigestResponse", "TensorSpec"} <= names
 
 
 def example(model: type[BaseModel]) -> dict:
