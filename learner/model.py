@@ -136,9 +136,45 @@ def pack_inputs(
 
 
 def forward_rows(model: torch.nn.Module, inputs: PackInputs) -> torch.Tensor:
-    """Logits ``[N, V]`` at ``inputs.rows.all_src`` only: one packed forward, the vocab projection on N rows."""
+    """Logits ``[N, V]`` at ``inputs.rows.all_src`` only: one packed forward, the vocab projection on N rows.
+
+    A pack without images (not made by tandem's actors, whose records always carry one, but valid on
+    the wire) would leave the vision tower without gradients, and DDP (``find_unused_parameters``
+    off: learner/train.py) would fail the next step. So under autograd such a pack adds 0 × a tiny
+    vision forward (:func:`zero_vision_term`): the logits are unchanged, every vision parameter gets a
+    zero gradient.
+    """
     out = model(**inputs.model_kwargs, logits_to_keep=inputs.rows.all_src, use_cache=False)
-    return out.logits[0]
+    logits = out.logits[0]
+    if "pixel_values" not in inputs.model_kwargs and torch.is_grad_enabled():
+        zero = zero_vision_term(model)
+        if zero is not None:
+            logits = logits + zero.to(logits.dtype)
+    return logits
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The Qwen2/2.5-VL vision tower under a (possibly DDP-wrapped) policy, or None."""
+    inner = getattr(getattr(model, "module", model), "model", None)
+    return getattr(inner, "visual", None)
+
+
+def zero_vision_term(model: torch.nn.Module) -> torch.Tensor | None:
+    """0 × the sum of a one-image (2 × 2 merged patches, zeros) vision forward: a scalar 0 in the graph
+    of every vision parameter. None for a policy without a vision tower."""
+    vis = vision_tower(model)
+    if vis is None:
+        return None
+    cfg = vis.config
+    m = cfg.spatial_merge_size
+    p = next(vis.parameters())
+    pixels = torch.zeros(m * m, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, device=p.device,
+                         dtype=p.dtype)
+    out = vis(pixels, grid_thw=torch.tensor([[1, m, m]], device=p.device))
+    # a tensor, a ModelOutput (transformers >= 5.2x: pre- and post-merger states) or a tuple
+    parts = [out] if isinstance(out, torch.Tensor) else list(out.values() if hasattr(out, "values") else out)
+    parts = [t for t in parts if isinstance(t, torch.Tensor)]
+    return torch.stack([t.float().sum() for t in parts]).sum() * 0.0
 
 
 # --------------------------------------------------------------------------------------------- optimizer

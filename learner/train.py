@@ -128,15 +128,16 @@ class Learner:
         if dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            # find_unused_parameters: a pack without images leaves the vision tower unused on that rank.
-            # Buffers (rope) are constant: no per-forward broadcast. torch >= 2.13 names that switch
+            # find_unused_parameters off (it costs a graph traversal per step and warned on every run): every
+            # parameter gets a gradient each step, a pack without images through forward_rows' zero vision
+            # term. Buffers (rope) are constant: no per-forward broadcast. torch >= 2.13 names that switch
             # forward_sync_buffers; 2.11 (the GPU image) only has broadcast_buffers.
             import inspect
 
             no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                        else "broadcast_buffers")
             self.model = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                             find_unused_parameters=True, **{no_sync: False})
+                             find_unused_parameters=False, **{no_sync: False})
         else:
             self.model = model
         from actor.encode import encoder_from_config

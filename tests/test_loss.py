@@ -7,6 +7,7 @@ gradient entry (the pack and the one-by-one runs sum the same terms in a differe
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -231,3 +232,66 @@ def test_the_backward_loss_carries_the_ddp_scale_and_the_logged_loss_does_not():
     terms = pack_loss(logits, rows, torch.arange(5), Normaliser(ce_tokens=2, boxes=0, scale=4.0), LossWeights())
     assert float(terms.backward.detach()) == pytest.approx(4.0 * terms.total, rel=1e-6)
     assert not math.isnan(terms.total)
+
+
+# --------------------------------------------------------------------------------------------- DDP, no unused-parameter search
+
+
+def _ddp_steps(model_dir: str, port: int, zero_term: bool, out: str) -> None:
+    """One gloo rank: DDP(find_unused_parameters=False) trains an image-less pack, then an image pack."""
+    import json
+
+    import torch.distributed as dist
+
+    import learner.model as lm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not zero_term:
+        lm.zero_vision_term = lambda model: None  # what forward_rows did before: nothing for the vision tower
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(path=model_dir, dtype="float32", attn_implementation="sdpa", coord_tokens=True)
+    # with gradient checkpointing (as the GPU configs train) where the zero term is on
+    model, tokenizer, coord_ids = load_policy(cfg, CPU, gradient_checkpointing=zero_term)
+    model.train()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+    result: dict = {"steps": 0}
+    try:
+        for seed, n_images in ((1, 0), (2, 1), (3, 0)):
+            seg = image_segment(model, tokenizer, coord_ids, seed=seed, n_images=n_images, n_text=20, n_boxes=1)
+            norm = Normaliser(ce_tokens=20, boxes=1)
+            terms = run_pack(ddp, coord_ids, [seg], norm)
+            vis = [p.grad for n, p in model.named_parameters() if n.startswith("model.visual")]
+            result.setdefault("vision_grads", []).append(
+                "none" if any(g is None for g in vis) else ("zero" if all(float(g.abs().max()) == 0 for g in vis)
+                                                             else "nonzero"))
+            result.setdefault("loss", []).append(float(terms.total))
+            model.zero_grad(set_to_none=True)
+            result["steps"] += 1
+    except RuntimeError as exc:
+        result["error"] = str(exc)[:200]
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.parametrize("zero_term", [True, False])
+def test_ddp_without_an_unused_parameter_search_trains_packs_without_images(tiny_model_dir, tmp_path, zero_term):
+    import json
+    import multiprocessing as mp
+
+    from tests.ports import free_port_block
+
+    out = tmp_path / "r.json"
+    p = mp.get_context("spawn").Process(target=_ddp_steps, args=(str(tiny_model_dir), free_port_block(1), zero_term,
+                                                                 str(out)))
+    p.start()
+    p.join(timeout=120)
+    if p.is_alive():
+        p.kill()
+        raise AssertionError("the DDP rank did not finish within 120 s")
+    r = json.loads(out.read_text())
+    if zero_term:  # image-less packs reach every vision parameter with a zero gradient; losses as usual
+        assert r["steps"] == 3 and "error" not in r, r
+        assert r["vision_grads"] == ["zero", "nonzero", "zero"]
+        assert all(math.isfinite(x) for x in r["loss"])
+    else:  # the test can fail: without the zero term DDP refuses the step after an image-less pack
+        assert r["steps"] == 1 and "finished reduction" in r["error"], r
