@@ -21,6 +21,7 @@
 #   bash bench/gpu_session.sh Y2   # bench 1.5b TP 2; the 2 + 2 split 200 steps, overlap, fast load, drain fence
 #   bash bench/gpu_session.sh Y3   # bench on random-weight checkpoints: 0.5b, 7b TP 1, 1.5b TP 2; a dummy-load probe
 #   bash bench/gpu_session.sh Y4   # GPU tests + bench 0.5b, 7b: verifies the fence/commit/fingerprint changes
+#   bash bench/gpu_session.sh Y5   # 2 + 2 split 50 steps (overlap, fast load): DDP without the unused search
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -28,7 +29,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -346,12 +347,28 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
       --log-dir "$OUT/bench-logs" --out "$OUT/bench-y4.json"
     bundle logs-Y4.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
     ;;
+  Y5)  # ~5 min, 4 GPUs: the 2 + 2 split, 50 steps, overlap + fast load: DDP without the unused-parameter
+       # search (NCCL, gradient checkpointing) and the session-3 fence/commit changes inside a training run
+    BUDGET=${BUDGET:-400}
+    mkdir -p .make && touch .make/installed
+    [ -f $MODELS/1.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
+      python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b && python3 -m common.synthetic --out $DATA \
+      --n 96 --seed 0"
+    rm -rf runs/gpu-2p2-y5
+    KILL_AFTER=40 step launcher-2p2-y5 260 python3 -m launcher --config configs/gpu/split_2p2.yaml \
+      training.max_steps=50 stage2_ab.channel_b.async.sync_mode=overlap rollout_matching.vllm.sync.fence=drain \
+      rollout_server.weight_load=fast actor.num_actors_per_rank=4 training.output_dir=runs/gpu-2p2-y5 \
+      run_name=gpu-2p2-y5 --grace-s 20
+    step evidence-y5 30 bash -c "evidence --json '$OUT/evidence-Y5.json' runs/gpu-2p2-y5; run_logs runs/gpu-2p2-y5;
+      grep -c find_unused runs/gpu-2p2-y5/logs/learner.log | sed 's/^/find_unused warnings: /'"
+    bundle logs-Y5.tar.gz runs/gpu-2p2-y5/logs runs/gpu-2p2-y5/summary.json
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|E" >&2
     exit 2
     ;;
 esac
