@@ -273,10 +273,12 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     rm -rf runs/gpu-2p2 runs/gpu-2p2-overlap
     WL=rollout_server.weight_load=fast
     [ -f /tmp/tandem-fast-ok ] || WL=rollout_server.weight_load=native
+    # the config as it was when X3 ran (session 2); the file now defaults to overlap + drain + 4 actors
+    X3_AS_RUN="stage2_ab.channel_b.async.sync_mode=blocking rollout_matching.vllm.sync.fence=abort actor.num_actors_per_rank=2"
     KILL_AFTER=40 step launcher-2p2 260 python3 -m launcher --config configs/gpu/split_2p2.yaml training.max_steps=50 \
-      $WL --grace-s 20
+      $WL $X3_AS_RUN --grace-s 20
     KILL_AFTER=40 step launcher-2p2-overlap 250 python3 -m launcher --config configs/gpu/split_2p2.yaml \
-      training.max_steps=50 stage2_ab.channel_b.async.sync_mode=overlap training.output_dir=runs/gpu-2p2-overlap \
+      training.max_steps=50 $X3_AS_RUN stage2_ab.channel_b.async.sync_mode=overlap training.output_dir=runs/gpu-2p2-overlap \
       run_name=gpu-2p2-overlap $WL --grace-s 20
     step evidence-2p2 30 bash -c "evidence --json '$OUT/evidence-X3.json' runs/gpu-2p2 runs/gpu-2p2-overlap; \
       run_logs runs/gpu-2p2 runs/gpu-2p2-overlap"
