@@ -206,6 +206,18 @@ run_logs() {  # run_logs RUN_DIR...: the last syncs as the learner and the serve
   done
 }
 
+train_2p2() {  # train_2p2 NAME STEPS DEADLINE_S: the 2 + 2 split as configs/gpu/split_2p2.yaml now stands
+  # (overlap, drain fence, 4 actors per rank, fast load), its 1.5b model and data built where missing
+  local name=$1 steps=$2 limit=$3
+  [ -f $MODELS/1.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
+    python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b && python3 -m common.synthetic --out $DATA \
+    --n 96 --seed 0"
+  rm -rf "runs/$name"
+  KILL_AFTER=40 step "launcher-$name" "$limit" python3 -m launcher --config configs/gpu/split_2p2.yaml \
+    training.max_steps="$steps" rollout_server.weight_load=fast training.output_dir="runs/$name" run_name="$name" \
+    --grace-s 20
+}
+
 export -f evidence run_logs   # for `step NAME S bash -c 'evidence ...'`
 BENCH="python3 bench/bench_weight_sync.py"
 
@@ -310,14 +322,7 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     mkdir -p .make && touch .make/installed
     [ -n "${SKIP_BENCH:-}" ] || step bench-y-tp2 130 $BENCH --presets 1.5b --weight-load fast,native --syncs 4 --tp 2 --server-gpus 0,1 \
       --learner-gpu 2 --log-dir "$OUT/bench-logs" --out "$OUT/bench-y-tp2.json"
-    [ -f $MODELS/1.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
-      python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b && python3 -m common.synthetic --out $DATA \
-      --n 96 --seed 0"
-    rm -rf runs/gpu-2p2-long
-    KILL_AFTER=40 step launcher-2p2-long 330 python3 -m launcher --config configs/gpu/split_2p2.yaml \
-      training.max_steps=200 stage2_ab.channel_b.async.sync_mode=overlap rollout_matching.vllm.sync.fence=drain \
-      rollout_server.weight_load=fast actor.num_actors_per_rank=4 training.output_dir=runs/gpu-2p2-long \
-      run_name=gpu-2p2-long --grace-s 20
+    train_2p2 gpu-2p2-long 200 330
     step evidence-long 30 bash -c "evidence --json '$OUT/evidence-Y2.json' runs/gpu-2p2-long; run_logs runs/gpu-2p2-long"
     cp runs/gpu-2p2-long/metrics.jsonl "$OUT/metrics-gpu-2p2-long.jsonl" 2>/dev/null
     bundle logs-Y2.tar.gz "$OUT/bench-logs" runs/gpu-2p2-long/logs runs/gpu-2p2-long/summary.json
@@ -353,14 +358,7 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
        # search (NCCL, gradient checkpointing) and the session-3 fence/commit changes inside a training run
     BUDGET=${BUDGET:-400}
     mkdir -p .make && touch .make/installed
-    [ -f $MODELS/1.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
-      python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b && python3 -m common.synthetic --out $DATA \
-      --n 96 --seed 0"
-    rm -rf runs/gpu-2p2-y5
-    KILL_AFTER=40 step launcher-2p2-y5 260 python3 -m launcher --config configs/gpu/split_2p2.yaml \
-      training.max_steps=50 stage2_ab.channel_b.async.sync_mode=overlap rollout_matching.vllm.sync.fence=drain \
-      rollout_server.weight_load=fast actor.num_actors_per_rank=4 training.output_dir=runs/gpu-2p2-y5 \
-      run_name=gpu-2p2-y5 --grace-s 20
+    train_2p2 gpu-2p2-y5 50 260
     step evidence-y5 30 bash -c "evidence --json '$OUT/evidence-Y5.json' runs/gpu-2p2-y5; run_logs runs/gpu-2p2-y5;
       grep -c find_unused runs/gpu-2p2-y5/logs/learner.log | sed 's/^/find_unused warnings: /'"
     bundle logs-Y5.tar.gz runs/gpu-2p2-y5/logs runs/gpu-2p2-y5/summary.json

@@ -318,3 +318,24 @@ def test_config_only_model_dirs_name_their_architecture(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     assert not list(out.glob("*.safetensors"))  # config, tokenizer and processor only
+
+
+def test_session_train_2p2_runs_the_split_config_with_fast_load(tmp_path):
+    """The helper Y2 and Y5 share: builds the model only where missing, then the launcher command line."""
+    script = (REPO / "bench/gpu_session.sh").read_text()
+    start = script.index("train_2p2() {")
+    func = script[start:script.index("\n}\n", start) + 3]
+    (tmp_path / "m/1.5b").mkdir(parents=True)
+    (tmp_path / "m/1.5b/tandem_build.json").write_text("{}")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/train.jsonl").write_text("")
+    prog = (f'MODELS="{tmp_path}/m"; DATA="{tmp_path}/d"\nstep() {{ echo "STEP $*"; }}\n{func}\n'
+            "train_2p2 gpu-2p2-x 7 99")
+    r = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.startswith("STEP ")]
+    assert len(lines) == 1, lines  # model and data present: no build step
+    assert lines[0].startswith("STEP launcher-gpu-2p2-x 99 python3 -m launcher --config configs/gpu/split_2p2.yaml")
+    for arg in ("training.max_steps=7", "rollout_server.weight_load=fast", "training.output_dir=runs/gpu-2p2-x",
+                "run_name=gpu-2p2-x", "--grace-s 20"):
+        assert arg in lines[0], arg
