@@ -24,17 +24,18 @@ For each preset (Qwen2.5-VL architecture, ``tools/make_tiny_model.py`` sizes):
    a perturbation must differ (so "equal" means something). A mismatch is printed loudly and the
    exit code is 2.
 
-Per sync: prep (``/sync/init``, the plan, the fingerprint), fence (``/sync/begin``), wire (the one ``/sync/update`` while rank 0 broadcasts, until
-every chunk is loaded: HTTP, the engine's worker RPC and the transfer), commit (cache resets + ver),
+Per sync: prep (``/sync/init``, the plan, the fingerprint), fence (``/sync/begin``), wire (the one
+``/sync/update`` while rank 0 broadcasts, until every chunk is loaded: HTTP, the engine's worker RPC
+and the transfer), commit (cache resets + ver),
 total = the learner's stall in blocking mode; sync GB/s = bytes / wire. From the update's reply
 (``SyncBucketResponse.load``): which load path really ran, the worker RPC's time, and the slowest
 worker's receive+copy time on the host (``worker_s``) and on the GPU by CUDA events (``gpu_s``: first
 broadcast enqueued to last copy done); data GB/s = bytes / gpu_s, the data plane alone, compared with
 the raw chunked broadcast of the same bytes. A warm-up push of a path is repeated (up to
-:data:`WARMUP_TRIES`) until that path really ran (a dummy-loaded vLLM defers the fast path until one
-native update has run), so the timed pushes never include a plan recording. Results: one JSON object
-per preset in ``--out`` and a markdown table on stdout, one row per preset and load path
-(docs/benchmarks.md).
+:data:`WARMUP_TRIES`) until that path really ran (the server defers the fast path while vLLM's
+layerwise-reload wrappers are on its loaders), so the timed pushes never include a plan recording.
+Results: one JSON object per preset in ``--out`` and a markdown table on stdout, one row per preset
+and load path (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -230,8 +231,8 @@ def digest_verdict(d: dict | None) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| model | TP | GB | chunks | load | prep s | fence s | wire s | commit s | stall s (total) | server update s "
-            "| worker GPU s | sync GB/s | data GB/s | raw GB/s (1 buffer / chunked) | sync / raw (1 buffer / chunked) "
+    rows = ["| model | TP | GB | chunks | load | prep s | fence s | wire s | commit s | stall s (total) "
+            "| server update s | worker GPU s | sync GB/s | data GB/s | raw GB/s (1 buffer / chunked) | sync / raw (1 buffer / chunked) "
             "| data / raw chunked | warm-up push s | digest |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -425,7 +426,8 @@ def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str, mode
         r = sender.push(model.named_parameters(), bucket_bytes=bucket_mb << 20, fence="drain", weight_load=mode)
         load = r.server_load or {}
         # prep: /sync/init, the plan and the fingerprint, before the fence (total = prep+fence+wire+commit)
-        return {"ver": r.ver, "prep_s": r.total_s - r.fence_s - r.wire_s - r.commit_s, "fence_s": r.fence_s, "wire_s": r.wire_s, "commit_s": r.commit_s, "total_s": r.total_s,
+        return {"ver": r.ver, "prep_s": r.total_s - r.fence_s - r.wire_s - r.commit_s, "fence_s": r.fence_s,
+                "wire_s": r.wire_s, "commit_s": r.commit_s, "total_s": r.total_s,
                 "bytes": r.bytes, "chunks": r.n_buckets, "server_update_s": r.server_update_s,
                 "load_path": load.get("path"), "one_call": load.get("one_call"),
                 **{k: load.get(k) for k in ("rpc_s", "worker_s", "gpu_s")}}

@@ -140,7 +140,8 @@ class FastLoader:
         finally:
             torch.cuda.current_stream(self.device).wait_stream(side)
         plan.graphs = graphs
-        plan.graph_note = f"cuda graphs ({sum(g is not None for g in graphs)}, captured in {time.perf_counter() - t0:.3f}s)"
+        n = sum(g is not None for g in graphs)
+        plan.graph_note = f"cuda graphs ({n}, captured in {time.perf_counter() - t0:.3f}s)"
 
     def receive(self, broadcast: Callable[[torch.Tensor, Any], None], deadline: float) -> dict[str, float]:
         """Receive every chunk of the prepared layout and replay its copies into the model's storage.

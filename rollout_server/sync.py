@@ -293,11 +293,12 @@ class SyncController:
                                f"{self.engine.name} engine (it takes {self.engine_transports()})", field="transport",
                                hint="set rollout_matching.vllm.sync.transport: http")
             if req.transport == "nccl" and req.backend != self.engine.collective_backend():
+                joins = self.engine.collective_backend()
                 raise ApiError(400, "bad_request", f"backend {req.backend!r}: the {self.engine.name} engine joins "
-                               f"{self.engine.collective_backend()!r} groups only (its model is on "
-                               f"{'a GPU' if self.engine.collective_backend() == 'nccl' else 'CPU'})",
+                               f"{joins!r} groups only (its model is on {'a GPU' if joins == 'nccl' else 'CPU'})",
                                field="backend", hint="keep the learner's weights and the server's model on the same "
-                               "kind of device (GPU: nccl, CPU: gloo), or set rollout_matching.vllm.sync.transport: http")
+                               "kind of device (GPU: nccl, CPU: gloo), or set rollout_matching.vllm.sync.transport: "
+                               "http")
             if req.transport == "nccl":
                 # Blocks until learner rank 0 joins the group (it joins while this call is in flight).
                 try:
