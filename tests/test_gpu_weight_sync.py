@@ -51,6 +51,11 @@ def _sender(port: int, out: str) -> None:
     b.start()
     b.join(time.monotonic() + 20)
     Path(out).write_text(json.dumps({"chunks": chunks}))
+    # A gloo broadcast can complete on the sender before the receiver has the bytes: stay in the group until
+    # the receiver has written its result, so our exit never tears a connection from under its last receive.
+    done, end = Path(out).with_name("r.json"), time.monotonic() + 30
+    while not done.exists() and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _receiver(port: int, out: str) -> None:

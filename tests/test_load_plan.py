@@ -228,6 +228,9 @@ def _rank(rank: int, port: int, bucket_bytes: int, out: str) -> None:
             loader.prepare(layouts)
             loader.receive(lambda buf, stream: dist.broadcast(buf, src=0), deadline=float("inf"))
             same(model, native(hf_weights(seed)))
+        # A gloo broadcast can return on the sender before the receiver has the bytes: rank 0 must not tear
+        # the group down under rank 1's last receive (seen once in CI: rank 1 aborted in gloo's thread).
+        dist.barrier()
         Path(out, f"rank{rank}.ok").write_text("ok")
     finally:
         dist.destroy_process_group()
