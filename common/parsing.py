@@ -119,6 +119,7 @@ class _TokenizerTable:
         self.open_brace_ids = [int(t) for t in tokenizer.encode("{", add_special_tokens=False)]
         self.special: dict[str, int | None] = {}
         self.coord_bins: dict[tuple[int, ...] | None, dict[int, int]] = {}
+        self._last_coord: tuple[Any, dict[int, int]] | None = None  # (the coord_ids object last asked for, its table)
 
     def decode(self, ids: Sequence[int]) -> str | None:
         try:
@@ -139,7 +140,7 @@ class _TokenizerTable:
 
     def coord_bin_of(self, coord_ids: Sequence[int] | None) -> dict[int, int]:
         """id -> bin for the 1000 coord tokens (looked up and checked once per tokenizer)."""
-        last = getattr(self, "_last_coord", None)
+        last = self._last_coord
         if last is not None and last[0] is coord_ids:  # hot path: callers pass the same list every time
             return last[1]
         key = None if coord_ids is None else tuple(int(i) for i in coord_ids)

@@ -34,9 +34,8 @@ broadcast), and a result that arrives after that is discarded with a warning (th
 Memory: the snapshot is one extra copy of the weights (on rank 0's GPU under CUDA), allocated at the
 first overlap push and reused.
 
-Torch threads: the push thread runs torch single-threaded (its torch work is casts and copies; a
-second OpenMP team next to the training thread's oversubscribes a small box), as the Channel-A
-prefetch thread does.
+Torch threads: the push thread runs torch single-threaded (its torch work is casts and copies;
+learner/torch_threads.py says why), as the Channel-A prefetch thread does.
 
 What this module does not know: ranks, collectives, versions' meaning, or the wire protocol.
 """
@@ -52,6 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from learner.torch_threads import pin_this_thread, start_pinned
 
 log = logging.getLogger(__name__)
 
@@ -239,17 +240,13 @@ class BackgroundPush:
     # -- push thread ----------------------------------------------------------------------------
 
     def _start_thread(self) -> None:
-        before = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="wsync-overlap", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(THREAD_START_TIMEOUT_S):
+        if not start_pinned(self._thread, self._ready, THREAD_START_TIMEOUT_S):
             raise TimeoutError(f"the weight-push thread did not start within {THREAD_START_TIMEOUT_S:.0f}s")
-        torch.set_num_threads(before)  # the process default again; the thread keeps its 1 (module docstring)
 
     def _run(self) -> None:
         try:
-            torch.get_num_threads()  # initialise this thread's torch threading now, or its first parallel op
-            torch.set_num_threads(1)  # would re-initialise it from the process default _start_thread restores
+            pin_this_thread()
         finally:
             self._ready.set()
         while True:

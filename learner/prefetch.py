@@ -31,12 +31,9 @@ Versions: a window is built before its ``ver`` is known; :meth:`ChannelAPrefetch
 segments and packs with the learner's ver at consumption, as the synchronous path tags them at build
 time. ``Pack.tensors()`` holds no ver, so the arrays built on the thread stay valid.
 
-Torch threads: the build is numpy, PIL, tokenizers and a few tiny torch ops (the rope index). A
-parallel torch op on this thread would start a second OpenMP team next to the training thread's,
-and on a 2-core box two teams oversubscribe the cores. So this thread runs torch single-threaded;
-the training thread keeps its count (``torch.set_num_threads`` also sets the default of threads torch
-initialises later, which :meth:`ChannelAPrefetcher.start` restores once the thread has taken its own).
-Much of the build is Python and holds the GIL: the overlap is real where the training thread blocks
+Torch threads: the build is numpy, PIL, tokenizers and a few tiny torch ops (the rope index), so
+this thread runs torch single-threaded and the training thread keeps its count
+(learner/torch_threads.py). Much of the build is Python and holds the GIL: the overlap is real where the training thread blocks
 with the GIL released (a GPU step); on a CPU-bound box the build's time moves into the step's
 forward/backward instead of preceding it (docs/learner.md, Benchmark).
 
@@ -56,6 +53,7 @@ import numpy as np
 
 from common.segment import Pack
 from learner.data import retag
+from learner.torch_threads import pin_this_thread, start_pinned
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +106,8 @@ class ChannelAPrefetcher:
     # -- training thread ------------------------------------------------------------------------
 
     def start(self) -> None:
-        import torch
-
-        before = torch.get_num_threads()
-        self._thread.start()
-        if not self._thread_ready.wait(timeout=self.deadline_s):
+        if not start_pinned(self._thread, self._thread_ready, self.deadline_s):
             raise TimeoutError(f"rank {self.rank}: {self._thread.name} did not start within {self.deadline_s:.0f}s")
-        torch.set_num_threads(before)  # the process default again; the thread keeps its 1 (see the docstring)
 
     def take(self, ver: int) -> AWindow:
         """The next window, segments and packs tagged ``ver``; waits for the thread up to the deadline.
@@ -193,11 +186,7 @@ class ChannelAPrefetcher:
     def _run(self) -> None:
         try:
             try:
-                import torch
-
-                torch.get_num_threads()  # initialise this thread's torch threading now, or its first parallel op
-                torch.set_num_threads(1)  # would re-initialise it from the process default start() restores
-                self.torch_threads = torch.get_num_threads()
+                self.torch_threads = pin_this_thread()
             finally:
                 self._thread_ready.set()
             while True:

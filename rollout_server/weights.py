@@ -112,20 +112,18 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]], dtypes: dict[str, str
             flat = flat.to(torch_dtype(dtype))
         heads.append(f"{name}|{dtype_name(flat.dtype)}|{list(t.shape)}|".encode())
         samples.append(flat.contiguous().view(torch.uint8))
-    host: list[bytes | None] = [None] * len(samples)
+    host: list[bytes] = [b""] * len(samples)
     by_device: dict[torch.device, list[int]] = {}
     for i, x in enumerate(samples):
         by_device.setdefault(x.device, []).append(i)
     for idx in by_device.values():
-        blob = torch.cat([samples[i] for i in idx]).cpu().numpy().tobytes() if idx else b""
-        pos = 0
+        blob, pos = torch.cat([samples[i] for i in idx]).cpu().numpy().tobytes(), 0
         for i in idx:
-            host[i] = blob[pos:pos + samples[i].numel()]
-            pos += samples[i].numel()
+            host[i], pos = blob[pos:pos + samples[i].numel()], pos + samples[i].numel()
     h = hashlib.blake2b(digest_size=8)
     for head, data in zip(heads, host):
         h.update(head)
-        h.update(data or b"")
+        h.update(data)
     return h.hexdigest()
 
 

@@ -330,7 +330,6 @@ class VLLMEngine(Engine):
         if key == self._fast_key:  # every worker planned this stream: receive in one call
             plans = None
         else:
-            self._fast_key = None
             plans = await self.llm.collective_rpc("tandem_prepare", timeout=self._session_timeout_s,
                                                   kwargs={"layout": layout})
             refused = [p for p in plans if not p.get("ok")]
