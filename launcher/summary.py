@@ -1,7 +1,8 @@
 """Turn a run directory into the few numbers a user reads first (``make demo`` prints them).
 
-Reads ``{run}/metrics.jsonl`` (rank 0, one record per optimizer step) and ``{run}/processes.json``
-(the launcher's exit codes). Knows nothing about how the numbers were produced.
+Reads ``{run}/metrics.jsonl`` (rank 0, one record per optimizer step), the final checkpoint's
+``trainer_state.json`` where the run wrote one, and the launcher's exit codes. Knows nothing about how
+the numbers were produced.
 """
 
 from __future__ import annotations
@@ -28,12 +29,29 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def read_final_state(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The trainer state of the checkpoint written after the last recorded step, if there is one.
+
+    Why: in overlap mode that checkpoint first settles the push in flight, so the ver it saves (the
+    server's) can be one past the last metrics record's; "final ver" must say what the server holds.
+    A checkpoint of an earlier step (a run that died later) is not the end of the run: ignored.
+    """
+    if not records or "step" not in records[-1]:
+        return None
+    path = Path(run_dir) / "checkpoints" / str(int(records[-1]["step"]) + 1) / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("ver"), int) else None
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run summary as a dict (also written to ``summary.json``)."""
+def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run summary as a dict (also written to ``summary.json``); ``final`` = ``read_final_state``."""
     if not records:
         return {"steps": 0}
     b_recs = [r for r in records if r.get(K + "step_kind_b")]
@@ -48,8 +66,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "b_ratio_realized": len(b_recs) / len(records),
         "drop_stale_total": int(last.get(K + "drop_stale_total", 0)),
         "drop_oldest_total": int(last.get(K + "drop_oldest_total", 0)),
-        "ver_final": int(last.get(K + "ver_current", 0)),
-        "syncs": int(sum(int(r.get("sync/count", 0)) for r in records)),
+        "ver_final": int(final["ver"]) if final else int(last.get(K + "ver_current", 0)),
+        "syncs": _syncs(records, final),
         "packs_trained_b": trained_b,
         "mean_fill_b": _mean([r.get("packing/fill", 0.0) for r in b_recs]),
         "mean_fill_a": _mean([r.get("packing/fill", 0.0) for r in records if not r.get(K + "step_kind_b")]),
@@ -64,9 +82,20 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> str:
+def _syncs(records: list[dict[str, Any]], final: dict[str, Any] | None) -> int:
+    """Committed pushes: the final checkpoint's count (it includes a push settled after the last record),
+    else the sum of the per-step adoptions."""
+    counted = (final or {}).get("sync_counts", {}).get("sync/successes")
+    if isinstance(counted, int):
+        return counted
+    return int(sum(int(r.get("sync/count", 0)) for r in records))
+
+
+def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: dict[str, Any] | None = None,
+                   run_dir: Path | None = None) -> str:
     if not s.get("steps"):
-        return "no optimizer steps recorded (see the logs under {output_dir}/logs/)"
+        where = Path(run_dir) / "logs" if run_dir is not None else "the run's logs/ directory"
+        return f"no optimizer steps recorded (see {where})"
     f = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"  # noqa: E731
     lines = [
         "──────── tandem run summary ────────",
@@ -90,13 +119,14 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
 
 
 def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> dict:
-    s = summarize(read_metrics(run_dir))
+    records = read_metrics(run_dir)
+    s = summarize(records, read_final_state(run_dir, records))
     if wall_s is not None:
         s["wall_s"] = wall_s
     if exit_codes is not None:
         s["exit_codes"] = exit_codes
     (Path(run_dir) / "summary.json").write_text(json.dumps(s, indent=2, default=str))
-    print(format_summary(s, wall_s, exit_codes))
+    print(format_summary(s, wall_s, exit_codes, run_dir))
     return s
 
 

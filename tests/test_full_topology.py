@@ -117,6 +117,11 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
         assert last["actor/conservation_ok"] == 1, actor_file.name
 
     assert "tandem run summary" in out and (run / "run.png").exists()
+    # The summary's final ver is the final checkpoint's (the server's), one commit per ver from 0.
+    summary = json.loads((run / "summary.json").read_text())
+    state = json.loads((run / "checkpoints" / str(steps) / "trainer_state.json").read_text())
+    assert summary["ver_final"] == state["ver"] >= recs[-1][K + "ver_current"]
+    assert summary["syncs"] == state["sync_counts"]["sync/successes"] == state["ver"]
 
     # Every key the run emitted is documented in docs/metrics.md (per-rank keys as rank{r}).
     import re

@@ -1,0 +1,58 @@
+"""The run summary (`launcher/summary.py`): what `make demo` prints and `summary.json` keeps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher.summary import K, print_summary
+
+STEPS = 4
+
+
+def _run_dir(tmp_path: Path, vers: list[int], adopted: list[int]) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": i, K + "ver_current": v, "sync/count": c, K + "step_kind_b": i % 2, "loss/total": 1.0 / (i + 1)}
+            for i, (v, c) in enumerate(zip(vers, adopted))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return run
+
+
+def _checkpoint(run: Path, step: int, ver: int, successes: int, text: str | None = None) -> None:
+    d = run / "checkpoints" / str(step)
+    d.mkdir(parents=True)
+    state = {"global_step": step, "ver": ver, "sync_counts": {"sync/successes": successes, "sync/failures": 0}}
+    (d / "trainer_state.json").write_text(text if text is not None else json.dumps(state))
+
+
+def test_final_ver_and_syncs_include_the_push_the_final_checkpoint_settled(tmp_path, capsys):
+    # Overlap mode: the last record says ver 3, then the final checkpoint waited for the push in flight
+    # and saved ver 4, the server's. The summary must report what the server holds.
+    run = _run_dir(tmp_path, vers=[1, 2, 2, 3], adopted=[1, 1, 0, 1])
+    _checkpoint(run, STEPS, ver=4, successes=4)
+    s = print_summary(run)
+    assert (s["ver_final"], s["syncs"], s["steps"], s["steps_b"]) == (4, 4, STEPS, 2)
+    assert json.loads((run / "summary.json").read_text())["ver_final"] == 4
+    assert "final ver              4  (syncs: 4)" in capsys.readouterr().out
+
+
+def test_without_a_final_checkpoint_the_last_record_and_the_adoptions_count(tmp_path):
+    run = _run_dir(tmp_path, vers=[1, 2, 2, 3], adopted=[1, 1, 0, 1])
+    _checkpoint(run, 2, ver=2, successes=2)  # an earlier checkpoint is not the end of the run
+    s = print_summary(run)
+    assert (s["ver_final"], s["syncs"]) == (3, 3)
+
+
+def test_a_torn_final_trainer_state_falls_back_to_the_records(tmp_path):
+    run = _run_dir(tmp_path, vers=[1, 2, 2, 3], adopted=[1, 1, 0, 1])
+    _checkpoint(run, STEPS, ver=4, successes=4, text='{"global_step": 4, "ver": ')
+    s = print_summary(run)
+    assert (s["ver_final"], s["syncs"]) == (3, 3)
+
+
+def test_no_records_says_where_to_look(tmp_path, capsys):
+    run = tmp_path / "empty"
+    run.mkdir()
+    assert print_summary(run) == {"steps": 0}
+    assert f"no optimizer steps recorded (see {run / 'logs'})" in capsys.readouterr().out
