@@ -19,7 +19,8 @@ Each wait and what unblocks it:
   - start: first credits, deadline ``actor.learner_wait_timeout_s``  ← the learner rank starts publishing;
     on timeout the actor exits (code 3) naming the endpoint and the learner command.
   - tick (≤ 50 ms): a rollout future completing ← the server answering /infer.
-  - admission: ``outstanding + estimated pending packs ≤ share`` ← credits reporting consumption.
+  - admission: ``outstanding + whole packs the started work fills < share`` ← credits reporting
+    consumption (an actor may run one decode batch past its share; it never strands a pack it could fill).
   - outbox: ``outstanding < share`` and fresh credits ← the learner consuming / publishing.
   - send: ``PackSender.send`` deadline ``actor.send_timeout_s`` ← the learner's PULL accepting; on
     timeout the pack stays in the outbox (retried, or dropped and counted once stale).
@@ -212,20 +213,36 @@ class ActorLoop:
         m = self.cfg.actor.max_samples
         return m is not None and self._taken >= m and not self._retry
 
-    def _pending_packs(self, extra_samples: int = 0) -> float:
-        """Packs that work already started will become (segments per pack from what was packed so far)."""
-        pc = self.packer.counters
-        per_pack = pc["segments_packed"] / pc["packs_emitted"] if pc["packs_emitted"] else 1.0
-        samples = sum(len(s) for s in self._inflight.values()) + extra_samples
-        return len(self._outbox) + (samples + self.packer.buffered) / per_pack
+    def _packs_started(self) -> int:
+        """Whole packs that the work already started (in the outbox, the packer, and in flight) will fill.
+
+        Counted in packs that reach the packer's release fill, from tokens: a sample in flight is
+        taken at the mean segment length seen so far (before any: one whole pack, so the first batch
+        alone holds admission back until its lengths are known). Why whole packs: a pack that work
+        already started cannot fill is a pack that would leave only at ``pack_max_wait_s``,
+        underfilled; counting its fraction against the share (as an earlier rule did) stopped an
+        actor with a share of 1 from ever filling one (on the GPU 2 + 2 run: B packs at mean fill
+        0.43, each waiting the 2 s timeout).
+        """
+        pc, packer = self.packer.counters, self.packer
+        seen = pc["segments_packed"] + packer.buffered
+        per_sample = (pc["tokens_packed"] + packer.buffered_tokens) / seen if seen else packer.release_tokens
+        inflight = sum(len(s) for s in self._inflight.values())
+        started = packer.buffered_tokens + inflight * per_sample
+        return len(self._outbox) + int(started // packer.release_tokens)
 
     def _admit(self) -> bool:
-        """Start rollout batches while credits allow; False if credits (not back-off or the cap) held one back."""
+        """Start rollout batches while credits allow; False if credits (not back-off or the cap) held one back.
+
+        Rule: start another batch while ``outstanding + packs the started work fills < share``, so an
+        actor runs at most one decode batch past its share, and never leaves a pack it could fill
+        waiting for the timeout (:meth:`_packs_started`).
+        """
         batch = self.cfg.stage2_ab.channel_b.rollout_decode_batch_size
         while (len(self._inflight) < self.cfg.actor.max_inflight_batches and not self._stop.is_set()
                and time.monotonic() >= self._backoff_until and self._credits_fresh()):
             idle = not self._inflight and not self._outbox and self.packer.buffered == 0 and self.gate.outstanding == 0
-            if not idle and self.gate.outstanding + self._pending_packs(batch) > self.gate.share:
+            if not idle and self.gate.outstanding + self._packs_started() >= self.gate.share:
                 self.c["credit_waits"] += 1
                 return False
             samples = self._take(batch)

@@ -22,6 +22,7 @@
 #   bash bench/gpu_session.sh Y3   # bench on random-weight checkpoints: 0.5b, 7b TP 1, 1.5b TP 2; a dummy-load probe
 #   bash bench/gpu_session.sh Y4   # GPU tests + bench 0.5b, 7b: verifies the fence/commit/fingerprint changes
 #   bash bench/gpu_session.sh Y5   # 2 + 2 split 50 steps (overlap, fast load): DDP without the unused search
+#   bash bench/gpu_session.sh Y6   # the same run after the actor admission change (actor metrics bundled too)
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -29,7 +30,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -354,21 +355,23 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
       --log-dir "$OUT/bench-logs" --out "$OUT/bench-y4.json"
     bundle logs-Y4.tar.gz "$OUT/bench-logs" && rm -rf "$OUT/bench-logs"
     ;;
-  Y5)  # ~5 min, 4 GPUs: the 2 + 2 split, 50 steps, overlap + fast load: DDP without the unused-parameter
-       # search (NCCL, gradient checkpointing) and the session-3 fence/commit changes inside a training run
+  Y5|Y6)  # ~5 min, 4 GPUs: the 2 + 2 split, 50 steps, overlap + fast load. Y5: DDP without the unused-parameter
+          # search (NCCL, gradient checkpointing) and the session-3 fence/commit changes inside a training run;
+          # Y6: the same after the actor's admission rule changed (B steps realised, pack fill; actor metrics kept)
     BUDGET=${BUDGET:-400}
     mkdir -p .make && touch .make/installed
-    train_2p2 gpu-2p2-y5 50 260
-    step evidence-y5 30 bash -c "evidence --json '$OUT/evidence-Y5.json' runs/gpu-2p2-y5; run_logs runs/gpu-2p2-y5;
-      grep -c find_unused runs/gpu-2p2-y5/logs/learner.log | sed 's/^/find_unused warnings: /'"
-    bundle logs-Y5.tar.gz runs/gpu-2p2-y5/logs runs/gpu-2p2-y5/summary.json
+    name=gpu-2p2-$(echo "$PART" | tr 'A-Z' 'a-z')
+    train_2p2 "$name" 50 260
+    step "evidence-$PART" 30 bash -c "evidence --json '$OUT/evidence-$PART.json' runs/$name; run_logs runs/$name;
+      grep -c find_unused runs/$name/logs/learner.log | sed 's/^/find_unused warnings: /'"
+    bundle "logs-$PART.tar.gz" "runs/$name/logs" "runs/$name/summary.json" runs/$name/actor_rank*.jsonl
     ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|E" >&2
     exit 2
     ;;
 esac

@@ -27,6 +27,7 @@ What this module does not know: sockets, credits, tokenizers, or what a segment 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,16 @@ class Packer:
     def buffered(self) -> int:
         """Segments waiting in the buffer."""
         return len(self._buffer)
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Tokens of the segments waiting in the buffer."""
+        return _tokens(self._buffer)
+
+    @property
+    def release_tokens(self) -> int:
+        """Tokens at which a buffered group leaves as a normal (not underfilled) pack."""
+        return max(1, math.ceil(self.min_fill_ratio * self.packing_length))
 
     @property
     def mean_fill(self) -> float:

@@ -159,3 +159,20 @@ def test_a_sample_the_server_refuses_is_dropped_and_the_rest_of_its_batch_goes_t
     c = loop.counters()
     keys = sorted(k for r in learner.received for k in r.keys)
     assert c["actor/rejected_samples"] == 1 and first_keys[0] not in keys and len(keys) == 3
+
+
+def test_with_a_share_of_one_pack_the_actor_fills_its_pack_instead_of_waiting_for_the_timeout(make, encoder):
+    # One pack of credit (target 1), decode batches of 2, a release fill most pairs of segments miss
+    # (segments here are ~270-610 of 1024 tokens) and a timeout the run must never need: the actor has to
+    # start the batch that fills the open pack while it holds its only credit's worth of work.
+    loop = make(ScriptedClient(encoder.tokenizer), "actor.max_samples=8", "training.packing_min_fill_ratio=0.75",
+                "training.pack_max_wait_s=20", "stage2_ab.channel_b.rollout_decode_batch_size=2")
+    with FakeLearnerRank(loop.cfg.transport, target=1, consume_every_s=0.05) as learner:
+        assert run_with_deadline(loop) == EXIT_OK
+    c = loop.counters()
+    assert loop.gate.share == 1 and learner.max_unconsumed <= 1
+    assert c["actor/underfilled_packs"] == 0, "a pack waited for pack_max_wait_s although the actor could fill it"
+    release = loop.packer.release_tokens
+    sent = [sum(s["length"] for s in r.meta["segments"]) for r in learner.received]
+    assert sum(n >= release for n in sent) >= 2, sent  # filled packs (the stop flushes the rest at any fill)
+    assert len([k for r in learner.received for k in r.keys]) == 8 and c["actor/conservation_ok"] == 1
