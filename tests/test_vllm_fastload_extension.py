@@ -78,6 +78,22 @@ def test_quantized_models_and_computing_loaders_are_refused_for_good():
     assert not info["ok"] and not info.get("transient") and "index_copy" in info["reason"]
 
 
+def test_running_out_of_memory_for_the_buffers_refuses_with_the_keys_that_fix_it(monkeypatch):
+    from rollout_server.fast_loader import FastLoader
+
+    def oom(self, nbytes):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+    monkeypatch.setattr(FastLoader, "_ensure_buffers", oom)
+    w = Worker()
+    info = w.tandem_prepare(layout_of(hf_weights(1), bucket_bytes=600))
+    assert not info["ok"] and not info["transient"], info
+    assert "2 receive buffers of 0 MB" in info["reason"]  # 600-byte chunks here
+    for key in ("rollout_matching.vllm.sync.bucket_mb", "rollout_server.gpu_memory_utilization",
+                "rollout_server.weight_load: native"):
+        assert key in info["reason"], info["reason"]
+    assert w._tandem_fast_loader().plan is None  # nothing half-built is kept
+
+
 # ------------------------------------------------------------------ the one-call path (plan already held)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from rollout_server import weights as W
-from rollout_server.fast_loader import FastLoader
+from rollout_server.fast_loader import NUM_BUFFERS, FastLoader
 from rollout_server.load_plan import PlanError, chunk_layouts, layout_key, stream_key
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,24 @@ class TandemWorkerExtension:
             return {"ok": True, **self._tandem_fast_loader().prepare(layouts, key)}
         except PlanError as exc:  # the loaders do more than place bytes: they still load correctly themselves
             return {"ok": False, "transient": False, "loaders_usable": True, "reason": str(exc)}
+        except torch.OutOfMemoryError:
+            return {"ok": False, "transient": False, "loaders_usable": True, "reason": self._tandem_oom(layout)}
         except Exception as exc:  # noqa: BLE001 - reported to the engine, which falls back to native
             log.exception("tandem_prepare failed")
             return {"ok": False, "transient": False, "loaders_usable": False,
                     "reason": f"{type(exc).__name__}: {exc}"}
+
+    def _tandem_oom(self, layout: dict[str, Any]) -> str:
+        """Why the fast path ran out of memory, and the fix: its buffers are not in vLLM's budget."""
+        chunk_mb = max(c.nbytes for c in self._tandem_layouts(layout)[1]) / 2**20
+        try:
+            free = f"{torch.cuda.mem_get_info(self.device)[0] / 2**20:.0f} MB free"  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the message is still useful without it
+            free = "free memory unknown"
+        return (f"out of GPU memory for the fast weight load: {NUM_BUFFERS} receive buffers of {chunk_mb:.0f} MB plus the "
+                f"copy graphs live outside vLLM's gpu_memory_utilization budget ({free}). Fix: lower "
+                f"rollout_matching.vllm.sync.bucket_mb or rollout_server.gpu_memory_utilization "
+                f"(or set rollout_server.weight_load: native)")
 
     def _tandem_fast_loader(self) -> FastLoader:
         loader = getattr(self, "_tandem_loader", None)
