@@ -1,0 +1,341 @@
+"""The configuration schema: one dataclass per YAML section, each field documented where it is declared.
+
+``doc(text, default)`` attaches a field's documentation; ``docs/config.md`` is generated from it
+(``python -m common.config --markdown``). Loading, coercion and the cross-field rules live in
+:mod:`common.config`, which re-exports these classes.
+
+Naming: counts are ``num_*`` or carry their unit (``*_s``, ``*_mb``, ``*_steps``).
+``rollout_matching.rollout_backend: vllm`` means "rollouts come from a tandem rollout server"
+(the vLLM-protocol server), whatever that server's engine is (``rollout_server.engine: vllm|hf``).
+
+What this module does not know: YAML, validation, torch, or how a value is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+REQUIRED = dataclasses.MISSING
+
+
+def doc(text: str, default: Any = REQUIRED, *, factory: Any = None) -> Any:
+    """A dataclass field with its documentation attached (read by the config reference)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": text})
+    if default is REQUIRED:
+        return field(metadata={"doc": text, "required": True})
+    return field(default=default, metadata={"doc": text})
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (a transformers model directory)."""
+
+    path: str = doc("Model directory loaded with from_pretrained (e.g. artifacts/tiny-model).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(
+        "Learner dtype. auto = bfloat16 on CUDA, float32 on CPU.", "auto"
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = doc(
+        "Attention kernel. Packed segments are isolated with a block-diagonal mask (sdpa/eager) "
+        "or cu_seqlens (flash_attention_2).",
+        "sdpa",
+    )
+    coord_tokens: bool = doc("Require the 1000 <|coord_k|> tokens in the tokenizer (fail at start if absent).", True)
+
+
+@dataclass
+class DataConfig:
+    """Training data in the JSONL contract of design section 2."""
+
+    train_jsonl: str = doc("Training records (JSONL).")
+    val_jsonl: str | None = doc("Validation records (JSONL); None = no evaluation.", None)
+    image_root: str | None = doc("Directory relative image paths resolve against; None = the JSONL's directory.", None)
+
+
+@dataclass
+class TrainingConfig:
+    """Learner optimisation, packing and run bookkeeping."""
+
+    per_device_train_batch_size: int = doc("Raw samples per micro-step per rank for Channel-A.", 1)
+    gradient_accumulation_steps: int | None = doc(
+        "Micro-steps per optimizer step (GA). Set this or effective_batch_size, not both.", None
+    )
+    effective_batch_size: int | None = doc(
+        "Global samples per optimizer step; GA = ceil(effective / (per_device × world)).", None
+    )
+    packing: bool = doc("Pack segments into one row per forward (required: true).", True)
+    global_max_length: int = doc("packing_length: max tokens per pack; a longer segment is dropped and counted.", 4096)
+    packing_min_fill_ratio: float = doc("A pack is sent once fill ≥ this × packing_length ...", 0.65)
+    pack_max_wait_s: float = doc("... or once its oldest segment waited this long (sent underfilled, counted).", 2.0)
+    lr: float = doc("Peak learning rate (AdamW).", 1.0e-5)
+    weight_decay: float = doc("AdamW weight decay.", 0.0)
+    warmup_steps: int = doc("Linear warmup optimizer steps, then cosine decay to min_lr_ratio × lr.", 0)
+    min_lr_ratio: float = doc("Final learning rate as a share of lr.", 0.0)
+    max_grad_norm: float = doc("Gradient clipping norm; 0 disables.", 1.0)
+    gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
+    max_steps: int = doc("Optimizer steps to run.", 100)
+    seed: int = doc("Base seed (learner data order, rollout seeds, actor streams).", 0)
+    output_dir: str = doc("Run directory: metrics.jsonl, checkpoints, logs.", "runs/default")
+    resume: str | None = doc("None = fresh; auto = latest checkpoint in output_dir if any; or a checkpoint path.", None)
+    save_every_steps: int = doc("Checkpoint every N optimizer steps (0 = only at the end).", 0)
+    log_every_steps: int = doc("Metrics record every N optimizer steps (rank 0).", 1)
+    tensorboard: bool = doc("Also write TensorBoard events (needs the tensorboard package).", False)
+    progress: bool = doc("Progress bar on rank 0.", True)
+    trace_micro_steps: bool = doc(
+        "Each learner rank appends one JSON line per micro-step (kind, pack vers, sample ids, forwards) to "
+        "output_dir/trace_rank<r>.jsonl: audits and tests.",
+        False,
+    )
+
+
+@dataclass
+class ScheduleConfig:
+    """Which optimizer steps want Channel-B."""
+
+    b_ratio: float = doc("Required. Share of optimizer steps that want B: B at s iff floor((s+1)b) > floor(sb).")
+
+
+@dataclass
+class AsyncConfig:
+    """Per-rank ready queues of the async actor-learner mode."""
+
+    queue_limit: int = doc("Ready packs held per learner rank; overflow drops the oldest (counted). ≥ GA.", 8)
+    version_window: int = doc("Packs with ver < ver_current - version_window are stale: dropped, counted.", 2)
+    sync_every_steps: int = doc("Push weights to the server (ver += 1) every N optimizer steps.", 1)
+    prefetch_target_packs: int = doc("Credits per rank: actors keep in-flight + queued ≤ this. GA ≤ it ≤ queue_limit.", 4)
+    sync_mode: Literal["blocking", "overlap"] = doc(
+        "blocking = barrier → rank 0 push → barrier (every rank stalls for the push); overlap = rank 0 pushes a "
+        "snapshot from a background thread while every rank trains on, the new ver adopted at the first step "
+        "boundary after the commit (mode async only; docs/learner.md).",
+        "blocking",
+    )
+
+
+@dataclass
+class ChannelBConfig:
+    """How Channel-B samples are produced and consumed."""
+
+    mode: Literal["micro", "step", "async"] = doc("async (any world size) | step, micro (world size 1).", "async")
+    target: Literal["reordered_gt", "rollout_prefix"] = doc(
+        "reordered_gt: matched GT in predicted order + FN; rollout_prefix: rollout tokens + FN appended.",
+        "reordered_gt",
+    )
+    rollouts_per_step: int | None = doc("step mode: raw rollouts per optimizer step; None = per_device × world × GA.", None)
+    rollout_decode_batch_size: int = doc("Samples per /infer call, independent of the learner micro-batch.", 2)
+    enable_pipeline: bool = doc("step mode: overlap rollout and learning through a bounded queue (server rollouts).", False)
+    desc_ce_weight_matched: float | None = doc("CE weight of matched objects' desc tokens; None = desc_ce_weight.", None)
+    fn_geometry: bool = doc("rollout_prefix target: also supervise geometry of appended FN objects.", True)
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"doc": "Async queues.", "key": "async"})
+
+
+@dataclass
+class Stage2ABConfig:
+    """Channel mixing and loss weights."""
+
+    schedule: ScheduleConfig = doc("A/B schedule.", factory=lambda: None)  # built from {} so b_ratio is reported
+    channel_b: ChannelBConfig = doc("Channel-B production.", factory=ChannelBConfig)
+    desc_ce_weight: float = doc("CE weight of desc value tokens (other supervised tokens weigh 1).", 1.0)
+    bbox_smoothl1_weight: float = doc("Weight of SmoothL1 on expectation-decoded coordinates.", 1.0)
+    bbox_ciou_weight: float = doc("Weight of (1 - CIoU) on expectation-decoded boxes.", 1.0)
+    coord_temperature: float = doc("τ in c = Σ softmax(z/τ)_k · k/999 over the 1000 coord logits.", 1.0)
+
+
+@dataclass
+class ServerEndpoint:
+    """One rollout server."""
+
+    base_url: str = doc("http://host:port of a rollout server.")
+
+
+@dataclass
+class SyncConfig:
+    """Weight sync to the rollout servers."""
+
+    mode: Literal["full"] = doc("full = push every weight each sync (the only mode in v1).", "full")
+    transport: Literal["auto", "http", "nccl"] = doc(
+        "http = safetensors buckets over HTTP (CPU); nccl = NCCL broadcast (GPU); auto = nccl on CUDA.", "auto"
+    )
+    bucket_mb: int = doc("Bucket size for weight transfer.", 512)
+    timeout_s: float = doc("Deadline for a whole sync (fence + wire + commit).", 300.0)
+    fence: Literal["drain", "abort"] = doc("Server fence: drain in-flight /infer, or abort them (clients retry).", "drain")
+    master_addr: str = doc(
+        "nccl: address of learner rank 0 that the server workers reach for the weight-transfer rendezvous "
+        "(a free port is picked per group).", "127.0.0.1"
+    )
+
+
+@dataclass
+class VLLMConfig:
+    """Server-mode rollouts."""
+
+    mode: Literal["server", "colocate"] = doc("server = dedicated rollout servers (required by async).", "server")
+    sync: SyncConfig = doc("Weight sync.", factory=SyncConfig)
+    servers: list[ServerEndpoint] = doc(
+        "Rollout servers; actors spread load over them.",
+        factory=lambda: [ServerEndpoint(base_url="http://127.0.0.1:8000")],
+    )
+    timeout_s: float = doc("Deadline for a server to become healthy at start.", 240.0)
+    infer_timeout_s: float = doc("Read timeout of one /infer call (then retry, then split).", 120.0)
+    connect_timeout_s: float = doc("Connect timeout of one HTTP call.", 10.0)
+    retry_backoff_s: float = doc("First retry delay of a failed /infer; doubles per attempt, ±50% jitter.", 0.5)
+    retry_backoff_max_s: float = doc("Cap on one retry delay.", 10.0)
+    balance: Literal["least_inflight", "round_robin"] = doc(
+        "How actors spread /infer calls over servers: fewest calls in flight, or in turn.", "least_inflight"
+    )
+
+
+@dataclass
+class DecodingConfig:
+    """Sampling knobs for rollouts (mapped exactly onto the engine)."""
+
+    temperature: float = doc("0 = greedy; > 0 samples. Runbook start: 0.01.", 0.0)
+    top_p: float = doc("Nucleus mass in (0, 1]. Runbook start: 0.95.", 1.0)
+    top_k: int = doc("Top-k; -1 (or 0) = off.", -1)
+    max_new_tokens: int = doc("Generation cap per rollout.", 512)
+    repetition_penalty: float = doc("> 0; 1.0 = off.", 1.0)
+
+
+@dataclass
+class MatchingConfig:
+    """Hungarian matching of predicted to GT boxes."""
+
+    candidate_top_k: int = doc("GT candidates per prediction by IoU (centre distance if all IoU are 0).", 10)
+    gate: float = doc("Pairs with IoU < gate are infeasible.", 0.3)
+    fp_cost: float = doc("Cost of leaving a prediction unmatched.", 1.0)
+    fn_cost: float = doc("Cost of leaving a GT unmatched.", 1.0)
+
+
+@dataclass
+class RolloutMatchingConfig:
+    """Where rollouts come from and how they are matched."""
+
+    rollout_backend: Literal["vllm", "hf"] = doc(
+        "vllm = a tandem rollout server (any engine); hf = in-learner generate (micro/step only).", "vllm"
+    )
+    vllm: VLLMConfig = doc("Server-mode rollouts.", factory=VLLMConfig)
+    decoding: DecodingConfig = doc("Sampling knobs.", factory=DecodingConfig)
+    matching: MatchingConfig = doc("Matching knobs.", factory=MatchingConfig)
+
+
+@dataclass
+class RolloutServerConfig:
+    """The rollout server process (`python -m rollout_server`)."""
+
+    engine: Literal["vllm", "hf"] = doc("vllm on GPUs; hf = transformers generate (CPU default, tests).", "hf")
+    model_path: str | None = doc("Served model directory; None = model.path.", None)
+    host: str = doc("Bind address (loopback unless told otherwise).", "127.0.0.1")
+    port: int = doc("HTTP port.", 8000)
+    auth_token: str | None = doc("Bearer token required on /sync/* when set.", None)
+    gpus: list[int] | None = doc("GPU ids of the server (launcher sets CUDA_VISIBLE_DEVICES); must not overlap learner.gpus.", None)
+    tensor_parallel_size: int = doc("vLLM tensor parallel size.", 1)
+    gpu_memory_utilization: float = doc("vLLM KV-cache memory share.", 0.85)
+    max_model_len: int | None = doc("vLLM context cap; None = model default.", None)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc("Serving dtype; auto = bf16 on CUDA, fp32 on CPU.", "auto")
+    max_batch_items: int = doc("Largest /infer batch accepted (more is a 413 naming the limit).", 256)
+    hf_max_batch: int = doc("hf engine: sequences per generate call.", 16)
+    enable_prefix_caching: bool = doc("vLLM prefix caching (reset after every weight update).", True)
+    enforce_eager: bool = doc("vLLM: no torch.compile, no CUDA graphs (starts in seconds, decodes slower).", False)
+    load_format: Literal["auto", "dummy"] = doc(
+        "vLLM weight loading: auto = model_path's safetensors; dummy = random weights of its config "
+        "(benchmarks: the learner's first sync overwrites them).", "auto"
+    )
+    weight_load: Literal["fast", "native"] = doc(
+        "vLLM NCCL sync: fast = receive into two persistent chunk buffers and replay a copy plan "
+        "recorded once per weight layout (falls back to native, logged, when the model's loaders do "
+        "more than copy; docs/gpu.md); native = vLLM's update_weights (layerwise reload).", "fast"
+    )
+    sync_idle_timeout_s: float = doc("A sync session idle this long is aborted (old weights kept).", 120.0)
+    log_level: str = doc("Server log level.", "info")
+    device: str = doc("hf engine device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.", "auto")
+    admission_timeout_s: float = doc(
+        "Longest an /infer call waits at a closed fence (or for min_ver) before a 503 naming the wait.", 600.0
+    )
+    max_bucket_mb: int = doc("Largest /sync/bucket body accepted (bigger is a 413); ≥ the learner's bucket_mb.", 2048)
+    shutdown_grace_s: float = doc("On SIGTERM, in-flight requests get this long to finish before they are cut.", 10.0)
+
+
+@dataclass
+class ActorConfig:
+    """Actor processes (`python -m actor --rank N`)."""
+
+    num_actors_per_rank: int = doc("Actors feeding each learner rank (the launcher starts them).", 1)
+    flush_policy: Literal["flush", "drop"] = doc("On a ver advance, old-ver leftovers are packed (flush) or dropped.", "flush")
+    learner_wait_timeout_s: float = doc("Deadline for the learner rank's credits to appear at start.", 300.0)
+    metrics_every_s: float = doc("Actor metrics JSONL cadence.", 10.0)
+    max_samples: int | None = doc("Stop after this many samples (tests); None = run until told to stop.", None)
+    max_inflight_batches: int = doc(
+        "Concurrent /infer calls per actor (each of rollout_decode_batch_size samples); credits bound them too.", 2
+    )
+    send_timeout_s: float = doc("Deadline of one pack send; a pack not accepted by then stays queued and is retried.", 0.5)
+    learner_silence_s: float = doc(
+        "Credits silent this long = the learner is gone: generation pauses; after learner_wait_timeout_s more the actor exits.",
+        5.0,
+    )
+    lost_pack_timeout_s: float = doc(
+        "Packs sent but never acknowledged by credits for this long are counted lost and their credit returned.", 60.0
+    )
+    server_backoff_max_s: float = doc("Longest pause between retries while the rollout server is down.", 30.0)
+    stop_timeout_s: float = doc("On SIGTERM/SIGINT or max_samples: time allowed to finish rollouts and send packs.", 10.0)
+    dump_pack_digests: bool = doc("Log the sha256 of every sent pack's tensors in the actor metrics JSONL (tests).", False)
+
+
+@dataclass
+class TransportConfig:
+    """ZMQ links between actors and learner ranks."""
+
+    host: str = doc("Learner host the actors connect to.", "127.0.0.1")
+    base_port: int = doc("Rank r pulls packs on base_port + 2r and publishes credits on base_port + 2r + 1.", 5600)
+    hwm: int = doc("ZMQ high-water mark (messages) on pack sockets; ≥ queue_limit.", 64)
+    linger_ms: int = doc("ZMQ linger at close.", 0)
+    credit_interval_s: float = doc("Learner publishes credits at least this often.", 0.2)
+
+
+@dataclass
+class LearnerConfig:
+    """The torchrun learner."""
+
+    gpus: list[int] | None = doc("GPU ids of the learner (launcher); must not overlap rollout_server.gpus.", None)
+    nproc_per_node: int = doc("Learner ranks started by the launcher.", 1)
+    backend: Literal["auto", "gloo", "nccl"] = doc("torch.distributed backend; auto = nccl on CUDA else gloo.", "auto")
+    collective_timeout_s: float = doc("Deadline for barriers/collectives; a timeout names the awaited step.", 600.0)
+    pack_wait_s: float = doc(
+        "When the policy wants B but a rank holds fewer than GA eligible packs, re-check for up to this long "
+        "before falling back to A (counted in time/wait_for_packs). 0 = never wait: fall back at once.",
+        0.0,
+    )
+
+
+@dataclass
+class Config:
+    """The whole tandem configuration."""
+
+    model: ModelConfig = doc("The policy model.")
+    data: DataConfig = doc("Training data.")
+    stage2_ab: Stage2ABConfig = doc("Channel mixing and loss.", factory=lambda: None)  # built from {}
+    training: TrainingConfig = doc("Optimisation and bookkeeping.", factory=TrainingConfig)
+    rollout_matching: RolloutMatchingConfig = doc("Rollouts and matching.", factory=RolloutMatchingConfig)
+    rollout_server: RolloutServerConfig = doc("Rollout server process.", factory=RolloutServerConfig)
+    actor: ActorConfig = doc("Actor processes.", factory=ActorConfig)
+    transport: TransportConfig = doc("Actor ↔ learner links.", factory=TransportConfig)
+    learner: LearnerConfig = doc("Learner process.", factory=LearnerConfig)
+    run_name: str = doc("Name used in logs and process titles.", "tandem")
+
+    # Filled by validation (never read from YAML): see derive().
+    derived: "Derived" = field(default=None, metadata={"doc": "Computed values (not configurable).", "internal": True})  # type: ignore[assignment]
+
+
+@dataclass
+class Derived:
+    """Values computed once from the config and the world size (logged at start)."""
+
+    world_size: int
+    gradient_accumulation_steps: int
+    effective_batch_size: int
+    rollouts_per_step: int
+    packing_length: int
+    b_ratio_exact: str
