@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from common.config import Config, load_config
+from launcher.plan import actors_wanted
 
 IMAGE = {"gpu": "tandem:gpu-vllm0.26.0", "cpu": "tandem:cpu"}
 DOCKERFILE = {"gpu": "deploy/Dockerfile.gpu", "cpu": "deploy/Dockerfile.cpu"}
@@ -58,7 +59,7 @@ def render(cfg: Config, config_path: str, profile: str) -> dict[str, Any]:
             **_gpus(cfg.learner.gpus),
         },
     }
-    for rank in range(cfg.learner.nproc_per_node):
+    for rank in range(cfg.learner.nproc_per_node if actors_wanted(cfg) else 0):
         for index in range(cfg.actor.num_actors_per_rank):
             services[f"actor-r{rank}-{index}"] = {
                 **copy.deepcopy(base),

@@ -38,6 +38,12 @@ def _gpu_env(gpus: list[int] | None) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus) if gpus else ""}
 
 
+def actors_wanted(cfg: Config) -> bool:
+    """Actor processes feed only the async mode's per-rank queues; ``step`` and ``micro`` roll out inside
+    the learner, so actors there would wait for credits no learner publishes and exit with code 3."""
+    return cfg.stage2_ab.channel_b.mode == "async"
+
+
 def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Path,
                python: str = sys.executable, start_server: bool = True) -> list[ProcessSpec]:
     """Server(s) first, then the learner (it binds the pack sockets), then the actors."""
@@ -62,7 +68,7 @@ def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Pat
     specs.append(ProcessSpec(name="learner", role="learner", argv=learner_argv,
                              env={**_gpu_env(lrn.gpus), "OMP_NUM_THREADS": "1"} if not lrn.gpus else _gpu_env(lrn.gpus),
                              log=log_dir / "learner.log"))
-    for rank in range(world):
+    for rank in range(world if actors_wanted(cfg) else 0):
         for index in range(cfg.actor.num_actors_per_rank):
             specs.append(ProcessSpec(
                 name=f"actor_r{rank}_{index}", role="actor",

@@ -68,3 +68,15 @@ def test_launcher_dry_run_reports_config_errors_with_exit_code_2():
                           "learner.gpus=[0,1]"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "learner.gpus" in res.stderr and "disjoint" in res.stderr
+
+
+@pytest.mark.parametrize("mode", ["step", "micro"])
+def test_synchronous_modes_start_no_actor_processes(mode):
+    # step/micro roll out inside the learner: actors would wait for credits nobody publishes, then exit 3.
+    cfg = load_config(REPO / "configs/stage2_ab/step_single_gpu.yaml", [f"stage2_ab.channel_b.mode={mode}",
+                                                                      "stage2_ab.channel_b.enable_pipeline=false"])
+    specs = build_plan(cfg, "c.yaml", [], Path("/tmp/logs"))
+    assert [s.role for s in specs] == ["server", "learner"]
+    assert set(render(cfg, "c.yaml", "gpu")["services"]) == {"rollout-server", "learner"}
+    cfg = load_config(REPO / "configs/demo_cpu.yaml")
+    assert [s.role for s in build_plan(cfg, "c.yaml", [], Path("/tmp/logs"))].count("actor") == 2  # async: per rank
