@@ -23,6 +23,7 @@
 #   bash bench/gpu_session.sh Y4   # GPU tests + bench 0.5b, 7b: verifies the fence/commit/fingerprint changes
 #   bash bench/gpu_session.sh Y5   # 2 + 2 split 50 steps (overlap, fast load): DDP without the unused search
 #   bash bench/gpu_session.sh Y6   # the same run after the actor admission change (actor metrics bundled too)
+#   bash bench/gpu_session.sh Y7   # 2 GPUs: 1 + 1 split, async vs the synchronous step baseline, 40 steps each
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -30,7 +31,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -366,12 +367,34 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
       grep -c find_unused runs/$name/logs/learner.log | sed 's/^/find_unused warnings: /'"
     bundle "logs-$PART.tar.gz" "runs/$name/logs" "runs/$name/summary.json" runs/$name/actor_rank*.jsonl
     ;;
+  Y7)  # ~6 min, 2 GPUs (nvidia-h200-x2): the 1 + 1 split (0.5b), async vs the synchronous `step` baseline,
+       # 40 steps each, blocking sync, fast load; side by side: training time, time waiting for rollouts,
+       # B steps and the B samples they trained (bench/compare_runs.py)
+    BUDGET=${BUDGET:-560}
+    mkdir -p .make && touch .make/installed
+    [ -f $MODELS/0.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
+      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b && python3 -m common.synthetic --out $DATA \
+      --n 96 --seed 0"
+    for mode in async step; do
+      rm -rf "runs/y7-$mode"
+      extra=""
+      [ "$mode" = step ] && extra="stage2_ab.channel_b.mode=step stage2_ab.channel_b.rollouts_per_step=8 stage2_ab.channel_b.enable_pipeline=true"
+      # shellcheck disable=SC2086  # $extra is a list of overrides
+      KILL_AFTER=30 step "launcher-y7-$mode" 200 python3 -m launcher --config configs/gpu/split_1p1.yaml \
+        training.max_steps=40 rollout_server.weight_load=fast training.output_dir="runs/y7-$mode" run_name="y7-$mode" \
+        $extra --grace-s 20
+    done
+    step compare-y7 30 python3 bench/compare_runs.py --json "$OUT/compare-Y7.json" runs/y7-async runs/y7-step
+    grep -h "compare\|\[runs" "$LOG" | tail -3
+    bundle logs-Y7.tar.gz runs/y7-async/logs runs/y7-step/logs runs/y7-async/summary.json runs/y7-step/summary.json \
+      runs/y7-async/metrics.jsonl runs/y7-step/metrics.jsonl
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|E" >&2
     exit 2
     ;;
 esac

@@ -339,3 +339,27 @@ def test_session_train_2p2_runs_the_split_config_with_fast_load(tmp_path):
     for arg in ("training.max_steps=7", "rollout_server.weight_load=fast", "training.output_dir=runs/gpu-2p2-x",
                 "run_name=gpu-2p2-x", "--grace-s 20"):
         assert arg in lines[0], arg
+
+
+def test_compare_runs_reports_waiting_and_b_throughput_against_the_first_run(tmp_path):
+    from bench.compare_runs import compare, main
+
+    K = "stage2_ab/async/"
+
+    def write(name, steps):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **r}) + "\n" for i, r in enumerate(steps)))
+        return d
+
+    a = {K + "step_kind_b": 0, "time/step": 1.0, "time/wait_for_packs": 0.0}
+    fast = write("async", [a, {K + "step_kind_b": 1, "time/step": 1.0, "time/wait_for_packs": 0.0,
+                               "packing/segments": 6, "packing/tokens": 3000}])
+    slow = write("step", [a, {K + "step_kind_b": 1, "time/step": 3.0, "time/wait_for_packs": 2.0,
+                              "packing/segments": 6, "packing/tokens": 3000}])
+    out = compare([fast, slow])
+    f, s = out[str(fast)], out[str(slow)]
+    assert (f["train_s"], f["b_steps"], f["b_samples"], f["wait_fraction"]) == (2.0, 1, 6, 0.0)
+    assert (s["train_s"], s["wait_for_rollouts_s"], s["wait_fraction"]) == (4.0, 2.0, 0.5)
+    assert s["b_samples_rate_vs_first"] == 0.5 and s["steps_rate_vs_first"] == 0.5
+    assert main([str(fast), str(tmp_path / "missing")]) == 1  # a run without records is an error
