@@ -8,6 +8,7 @@ the numbers were produced.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,26 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "rollout_f1": _mean([r["rollout/f1"] for r in b_recs if "rollout/f1" in r]),
         "loss_first": records[0].get("loss/total"),
         "loss_last": last.get("loss/total"),
+        **_sync_stall(records),
+    }
+
+
+def _sync_stall(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What weight syncs cost the learner: the stall per sync (median, the start-up sync left out: it
+    also builds the transfer group) and the share of training time (sum of ``time/step``) spent stalled.
+
+    A sync step is one whose record has ``time/sync_total`` in blocking mode (the whole push stalls it)
+    and ``sync/started`` = 1 in overlap mode (the snapshot is its stall; the push runs on)."""
+    overlap = any("sync/started" in r for r in records)
+    steps = [r for r in records if (r.get("sync/started") == 1 if overlap else "time/sync_total" in r)]
+    stalls = [float(r.get("time/sync_stall", 0.0)) for r in steps[1:]]
+    train_s = sum(float(r.get("time/step", 0.0)) for r in records)
+    stalled = sum(float(r.get("time/sync_stall", 0.0)) for r in records)
+    return {
+        "sync_mode": "overlap" if overlap else "blocking",
+        "sync_stall_median_s": statistics.median(stalls) if stalls else None,
+        "sync_stall_n": len(stalls),
+        "sync_stall_share": stalled / train_s if train_s else None,
     }
 
 
@@ -105,6 +126,8 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"packs trained (B)      {s['packs_trained_b']}",
         f"drops: stale / oldest  {s['drop_stale_total']} / {s['drop_oldest_total']}",
         f"final ver              {s['ver_final']}  (syncs: {s['syncs']})",
+        f"sync stall per sync    {f(s.get('sync_stall_median_s'))} s  ({s.get('sync_mode', 'blocking')}, median of "
+        f"{s.get('sync_stall_n', 0)} after the first; {_pct(s.get('sync_stall_share'))} of training time)",
         f"mean pack fill         B {f(s['mean_fill_b'])}  A {f(s['mean_fill_a'])}",
         f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s, "
         f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s)",
@@ -116,6 +139,10 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
     if exit_codes:
         lines.append("exit codes             " + ", ".join(f"{k}={v}" for k, v in exit_codes.items()))
     return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f} %"
 
 
 def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launcher.summary import K, print_summary
+from launcher.summary import K, format_summary, print_summary
 
 STEPS = 4
 
@@ -56,3 +56,25 @@ def test_no_records_says_where_to_look(tmp_path, capsys):
     run.mkdir()
     assert print_summary(run) == {"steps": 0}
     assert f"no optimizer steps recorded (see {run / 'logs'})" in capsys.readouterr().out
+
+
+def test_sync_stall_per_sync_and_its_share_of_training_time_blocking_and_overlap(tmp_path):
+    from launcher.summary import summarize
+
+    # blocking: sync steps carry time/sync_total; the first (group set-up) is left out of the median
+    recs = [{"step": 0, "time/step": 3.0, "time/sync_stall": 2.0, "time/sync_total": 2.0},
+            {"step": 1, "time/step": 1.0, "time/sync_stall": 0.0},
+            {"step": 2, "time/step": 1.5, "time/sync_stall": 0.5, "time/sync_total": 0.5},
+            {"step": 3, "time/step": 1.0, "time/sync_stall": 0.0},
+            {"step": 4, "time/step": 1.5, "time/sync_stall": 0.3, "time/sync_total": 0.3}]
+    s = summarize(recs)
+    assert (s["sync_mode"], s["sync_stall_median_s"], s["sync_stall_n"]) == ("blocking", 0.4, 2)
+    assert s["sync_stall_share"] == 2.8 / 8.0
+    # overlap: the step that started a push stalls for the snapshot; the adopting step's sync_total is not a stall
+    recs = [{"step": 0, "time/step": 5.0, "time/sync_stall": 4.0, "sync/started": 1},
+            {"step": 1, "time/step": 1.0, "time/sync_stall": 0.001, "sync/started": 0, "time/sync_total": 0.9},
+            {"step": 2, "time/step": 1.0, "time/sync_stall": 0.01, "sync/started": 1},
+            {"step": 3, "time/step": 1.0, "time/sync_stall": 0.02, "sync/started": 1}]
+    s = summarize(recs)
+    assert (s["sync_mode"], s["sync_stall_median_s"], s["sync_stall_n"]) == ("overlap", 0.015, 2)
+    assert "sync stall per sync    0.015 s  (overlap, median of 2 after the first;" in format_summary(s)
