@@ -225,10 +225,11 @@ class ActorLoop:
         0.43, each waiting the 2 s timeout).
         """
         pc, packer = self.packer.counters, self.packer
+        buffered = packer.buffered_tokens
         seen = pc["segments_packed"] + packer.buffered
-        per_sample = (pc["tokens_packed"] + packer.buffered_tokens) / seen if seen else packer.release_tokens
+        per_sample = (pc["tokens_packed"] + buffered) / seen if seen else packer.release_tokens
         inflight = sum(len(s) for s in self._inflight.values())
-        started = packer.buffered_tokens + inflight * per_sample
+        started = buffered + inflight * per_sample
         return len(self._outbox) + int(started // packer.release_tokens)
 
     def _admit(self) -> bool:

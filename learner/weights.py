@@ -23,8 +23,9 @@ learner agree before the first step). Then, at EVERY step boundary, every rank::
 No barrier surrounds the push: every rank trains on while rank 0's thread pushes. A push that
 commits during step s becomes the learner's ver at the boundary before step s + 1 (the first one
 after the push thread has the commit's answer), on every rank at once (the broadcast). The server
-tags every /infer response with the ver whose weights produced it, so packs stay exact; the learner's ``ver_current`` lags the server's by at most one ver, and
-only from the commit to that boundary, during which packs of ``ver_current + 1`` can arrive and are
+tags every /infer response with the ver whose weights produced it, so packs stay exact; the
+learner's ``ver_current`` lags the server's by at most one ver, and only from the commit to that
+boundary, during which packs of ``ver_current + 1`` can arrive and are
 trained like any other (their ``ver_lag`` is -1). docs/learner.md spells out what ``version_window``
 bounds in this mode. :meth:`WeightSync.settle` waits for a push in flight (with a
 deadline) and adopts its outcome; the learner calls it before a checkpoint, so the checkpoint's ver

@@ -93,14 +93,21 @@ class FastLoader:
             return f"model storage changed since the plan was recorded ({changed[0][0]!r} first)"
         return None
 
+    def held(self, key: str) -> dict[str, Any] | None:
+        """The summary of the plan for ``key`` if it is held and the model's storage has not moved."""
+        if self.plan is not None and self.plan.key == key and self._stale(self.plan) is None:
+            return {"recorded": False, **self.plan.summary()}
+        return None
+
     def prepare(self, layouts: list[ChunkLayout], key: str | None = None) -> dict[str, Any]:
         """Plan for ``layouts`` (recorded if needed); raises :class:`PlanError` (nothing received yet).
 
         ``key``: :func:`layout_key` of ``layouts`` when the caller already has it (saves hashing them).
         """
         key = key or layout_key(layouts)
-        if self.plan is not None and self.plan.key == key and self._stale(self.plan) is None:
-            return {"recorded": False, **self.plan.summary()}
+        held = self.held(key)
+        if held is not None:
+            return held
         self._ensure_buffers(max(c.nbytes for c in layouts))
         self.plan = None  # a failed recording leaves no plan behind
         plan = record_plan(self.model, self.load_fn, layouts, self.buffers)

@@ -292,8 +292,8 @@ class SyncController:
                 raise ApiError(400, "bad_request", f"transport {req.transport!r} is not served by the "
                                f"{self.engine.name} engine (it takes {self.engine_transports()})", field="transport",
                                hint="set rollout_matching.vllm.sync.transport: http")
-            if req.transport == "nccl" and req.backend != self.engine.collective_backend():
-                joins = self.engine.collective_backend()
+            joins = self.engine.collective_backend()
+            if req.transport == "nccl" and req.backend != joins:
                 raise ApiError(400, "bad_request", f"backend {req.backend!r}: the {self.engine.name} engine joins "
                                f"{joins!r} groups only (its model is on {'a GPU' if joins == 'nccl' else 'CPU'})",
                                field="backend", hint="keep the learner's weights and the server's model on the same "

@@ -67,6 +67,10 @@ def test_layerwise_reload_wrappers_defer_the_fast_path_for_one_sync_only():
     assert not info["ok"] and info["transient"] and "'qkv'" in info["reason"], info
     del model.qkv.weight_loader  # what vLLM's native update does once the layer is loaded
     assert w.tandem_prepare(layout_of(hf_weights(1)))["ok"]
+    # A held plan replays without calling any loader: the wrappers only guard a recording.
+    model.qkv.weight_loader = online_process_loader
+    info = w.tandem_prepare(layout_of(hf_weights(1)))
+    assert info["ok"] and info["recorded"] is False, info
 
 
 def test_quantized_models_and_computing_loaders_are_refused_for_good():

@@ -357,6 +357,7 @@ class VLLMEngine(Engine):
                         self._fast_refused)
         else:
             self._fast_key = key
+        worker = max(o["receive_s"] for o in outs)
         gpu = [o["gpu_s"] for o in outs if "gpu_s" in o]
         info = (f"prepare {t1 - t0:.4f}s{' (plan recorded)' if plans[0].get('recorded') else ''}, "
                 f"{plans[0]['chunks']} chunks, {plans[0]['copies']} copies, {plans[0]['fills']} fills, "
@@ -364,9 +365,9 @@ class VLLMEngine(Engine):
                 if plans else "one call (plan held by every worker)")
         log.info("fast update: %d tensors, %.2f GB: receive+copy %.4fs (%.1f GB/s; worker %.4fs, gpu %s); %s",
                  len(header.names), nbytes / 1e9, t2 - t1, nbytes / max(t2 - t1, 1e-9) / 1e9,
-                 max(o["receive_s"] for o in outs), f"{max(gpu):.4f}s" if gpu else "n/a", info)
+                 worker, f"{max(gpu):.4f}s" if gpu else "n/a", info)
         self.last_update_info = {"path": "fast", "rpc_s": t2 - t1, "prepare_s": t1 - t0,
-                                 "worker_s": max(o["receive_s"] for o in outs), "gpu_s": max(gpu) if gpu else None,
+                                 "worker_s": worker, "gpu_s": max(gpu) if gpu else None,
                                  "one_call": plans is None}
         return True
 

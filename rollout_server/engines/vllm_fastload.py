@@ -73,11 +73,6 @@ class TandemWorkerExtension:
         directly on received chunks (:meth:`tandem_receive`'s fallback): not for a quantized model
         (its weights are repacked after loading) nor through the wrappers.
         """
-        wrapped = self._tandem_wrapped()
-        if wrapped:
-            return {"ok": False, "transient": True, "loaders_usable": False,
-                    "reason": f"{len(wrapped)} weight loaders still carry vLLM's layerwise-reload wrapper "
-                              f"({wrapped[0]!r} first): native for this sync"}
         quant = getattr(self.model_config, "quantization", None)  # type: ignore[attr-defined]
         if quant:
             return {"ok": False, "transient": False, "loaders_usable": False,
@@ -87,7 +82,16 @@ class TandemWorkerExtension:
                     "reason": "a native weight update is open on this worker"}
         try:
             key, layouts = self._tandem_layouts(layout)
-            return {"ok": True, **self._tandem_fast_loader().prepare(layouts, key)}
+            loader = self._tandem_fast_loader()
+            held = loader.held(key)
+            if held is not None:  # the steady state: replay calls no loader, so the wrappers do not matter
+                return {"ok": True, **held}
+            wrapped = self._tandem_wrapped()  # recording would run the loaders: not through the wrappers
+            if wrapped:
+                return {"ok": False, "transient": True, "loaders_usable": False,
+                        "reason": f"{len(wrapped)} weight loaders still carry vLLM's layerwise-reload wrapper "
+                                  f"({wrapped[0]!r} first): native for this sync"}
+            return {"ok": True, **loader.prepare(layouts, key)}
         except PlanError as exc:  # the loaders do more than place bytes: they still load correctly themselves
             return {"ok": False, "transient": False, "loaders_usable": True, "reason": str(exc)}
         except torch.OutOfMemoryError:
