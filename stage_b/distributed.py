@@ -99,6 +99,10 @@ def resolve_placement(device_map: str, world: int, local_rank: int, num_gpus: in
 # ----------------------------------------------------------------------------------- the group
 
 
+#: Seconds every rank waits at the end for the others before leaving the group (Comm.close).
+CLOSE_BARRIER_S = 10.0
+
+
 class RankFailure(RuntimeError):
     """Some rank failed; raised on every rank so the whole run exits non-zero."""
 
@@ -147,7 +151,16 @@ class Comm:
         return self.rank == 0
 
     def close(self) -> None:
+        """Leave the group. First a monitored barrier (gloo, at most :data:`CLOSE_BARRIER_S`): a rank that
+        tore its connections down while a peer was still inside the last collective (rank 0 right after
+        broadcasting "done") made that peer's receive abort the process (CI: "terminate called without an
+        active exception"). A peer that is gone or stuck only costs this deadline, logged."""
         if self._dist is not None and self._dist.is_initialized():
+            try:
+                self._dist.monitored_barrier(timeout=datetime.timedelta(seconds=CLOSE_BARRIER_S))
+            except Exception as exc:  # noqa: BLE001 - leaving anyway; the run's own outcome is already decided
+                log.warning("rank %d: not every rank reached the end of the run within %.0fs (%s); leaving the group",
+                            self.rank, CLOSE_BARRIER_S, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self._dist.destroy_process_group()
         self._dist = None
 
