@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from common.assistant_json import Record, build_messages
+from common.assistant_json import DEFAULT_PROMPTS, Prompts, Record, build_messages
 from common.protocol import InferItem
 from common.segment import IGNORE_INDEX, Segment
 from common.targets import TargetSpec
@@ -54,7 +54,7 @@ class Encoder:
     """
 
     def __init__(self, model_path: str | os.PathLike[str], packing_length: int, *, image_root: str | None = None,
-                 check_coord_tokens: bool = True) -> None:
+                 check_coord_tokens: bool = True, prompts: Prompts = DEFAULT_PROMPTS) -> None:
         from transformers import AutoConfig  # deferred: heavy import
 
         from common.processor import load_processor
@@ -62,6 +62,7 @@ class Encoder:
         self.model_path = os.fspath(model_path)
         self.packing_length = int(packing_length)
         self.image_root = image_root
+        self.prompts = prompts
         self.processor = load_processor(self.model_path)
         self.tokenizer = self.processor.tokenizer
         self.config = AutoConfig.from_pretrained(self.model_path)
@@ -82,7 +83,7 @@ class Encoder:
         return [os.path.abspath(p) for p in record.image_paths(base)]
 
     def messages(self, record: Record, image_paths: list[str]) -> list[dict[str, Any]]:
-        return build_messages(record, image_paths)
+        return build_messages(record, image_paths, prompts=self.prompts)
 
     def prompt(self, record: Record, image_paths: list[str]) -> dict[str, np.ndarray]:
         """Prompt ids [P] (image pads expanded), pixel_values [N, D], image_grid_thw [I, 3], mm_token_type_ids [P]."""
@@ -238,4 +239,5 @@ def _meta_rope_model(config: Any) -> Any | None:
 def encoder_from_config(cfg: Any) -> Encoder:
     """The Encoder the config describes (model.path, packing_length, data.image_root or the JSONL's folder)."""
     root = cfg.data.image_root or str(Path(cfg.data.train_jsonl).resolve().parent)
-    return Encoder(cfg.model.path, cfg.training.global_max_length, image_root=root, check_coord_tokens=cfg.model.coord_tokens)
+    return Encoder(cfg.model.path, cfg.training.global_max_length, image_root=root, check_coord_tokens=cfg.model.coord_tokens,
+                   prompts=Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt))

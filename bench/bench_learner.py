@@ -91,6 +91,7 @@ def phase(learner, name: str, b_ratio: Fraction, steps: int, warmup: int, pool, 
         if thread is not None:
             thread.join(timeout=5)
     records = [json.loads(line) for line in (learner.out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r.get("record", "step") == "step"]  # evaluation records share the file
     timed = [r for r in records if first + warmup <= r["step"] < first + warmup + steps]
     med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
     kinds_b = sum(r["stage2_ab/async/step_kind_b"] for r in timed)

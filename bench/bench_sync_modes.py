@@ -77,7 +77,8 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def summarise(out: Path, warmup: int) -> list[dict]:
-    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if r.get("record", "step") == "step"}  # evaluation records share the file and the step numbers
     phases = json.loads((out / "phases.json").read_text())
     results = []
     for mode in ("blocking", "overlap"):

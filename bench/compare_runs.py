@@ -1,6 +1,6 @@
 """Side by side: runs of the same config in different modes (e.g. async vs the synchronous ``step``).
 
-Reads each run's ``metrics.jsonl`` (rank 0, one record per optimizer step) and prints, per run, what
+Reads each run's ``metrics.jsonl`` step records (``read_metrics``: evaluation records are left out) and prints, per run, what
 a user weighs when choosing a mode: training time (sum of ``time/step``, so start-up is excluded),
 the time spent waiting for rollouts, B steps and the Channel-B samples and tokens they trained, and
 B samples per second of training time. Ratios are taken against the first run given.

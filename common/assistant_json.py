@@ -297,12 +297,36 @@ USER_PROMPT = (
 )
 
 
+@dataclass(frozen=True)
+class Prompts:
+    """The system and user texts of every request (``data.system_prompt`` / ``data.user_prompt``).
+
+    A Stage-2 run must prompt its model exactly as its Stage-1 was trained; the defaults are the
+    instructions above. The embedded tiny detector uses a one-line pair (configs/demo_cpu.yaml): with
+    ~20 prompt tokens instead of ~200 its 16 image tokens are not drowned out and each CPU step costs
+    a quarter (docs/warm_start.md).
+    """
+
+    system: str = SYSTEM_PROMPT
+    user: str = USER_PROMPT
+
+    @classmethod
+    def of(cls, system: str | None, user: str | None) -> Prompts:
+        """From the config's optional texts (None = the default)."""
+        return cls(system if system is not None else SYSTEM_PROMPT, user if user is not None else USER_PROMPT)
+
+
+DEFAULT_PROMPTS = Prompts()
+
+
 def build_messages(
-    record: Record, image_paths: Sequence[str | os.PathLike[str]], assistant: str | None = None
+    record: Record, image_paths: Sequence[str | os.PathLike[str]], assistant: str | None = None,
+    prompts: Prompts = DEFAULT_PROMPTS,
 ) -> list[dict[str, Any]]:
     """Chat messages for one record: system prompt, then the user turn (images, then the prompt).
 
-    Used by Channel-A, Channel-B and the rollout requests, so all three see the same prompt.
+    Used by Channel-A, Channel-B, the rollout requests and evaluation, each with the run's
+    ``prompts``, so all of them see the same prompt.
     Content is always a list of typed parts (``{"type": "image", "image": path}`` /
     ``{"type": "text", "text": ...}``), the form HF chat templates and processors expect.
     ``assistant`` (e.g. :func:`serialize_objects` output) appends the answer turn for teacher forcing.
@@ -310,11 +334,11 @@ def build_messages(
     if len(image_paths) != len(record.images):
         raise ValueError(f"record {record.id}: {len(record.images)} images but {len(image_paths)} paths given")
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]},
+        {"role": "system", "content": [{"type": "text", "text": prompts.system}]},
         {
             "role": "user",
             "content": [{"type": "image", "image": os.fspath(p)} for p in image_paths]
-            + [{"type": "text", "text": USER_PROMPT}],
+            + [{"type": "text", "text": prompts.user}],
         },
     ]
     if assistant is not None:

@@ -280,7 +280,11 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     if isinstance(cfg.transport.hwm, int) and isinstance(a.queue_limit, int) and cfg.transport.hwm < a.queue_limit:
         problems.add("transport.hwm", cfg.transport.hwm, f"below queue_limit {a.queue_limit}",
                      "set transport.hwm ≥ stage2_ab.channel_b.async.queue_limit")
-    for key in ("desc_ce_weight", "bbox_smoothl1_weight", "bbox_ciou_weight"):
+    positive("training.eval_every_steps", t.eval_every_steps, 0)
+    if isinstance(t.max_train_seconds, (int, float)) and t.max_train_seconds <= 0:
+        problems.add("training.max_train_seconds", t.max_train_seconds, "must be > 0", "use null for no time budget")
+    positive("training.eval_max_images", t.eval_max_images)
+    for key in ("desc_ce_weight", "bbox_smoothl1_weight", "bbox_ciou_weight", "coord_ce_weight"):
         v = getattr(ab, key)
         if isinstance(v, float) and v < 0:
             problems.add(f"stage2_ab.{key}", v, "must be ≥ 0", "use 0 to disable the term")
@@ -293,9 +297,9 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
         if isinstance(s, ServerEndpoint) and isinstance(s.base_url, str) and not s.base_url.startswith(("http://", "https://")):
             problems.add(f"rollout_matching.vllm.servers[{i}].base_url", s.base_url, "not an http(s) URL",
                          "write it as http://host:port")
-    if srv.gpus and cfg.learner.gpus and set(srv.gpus) & set(cfg.learner.gpus):
+    if srv.gpus and cfg.learner.gpus and set(srv.gpus) & set(cfg.learner.gpus) and not cfg.learner.share_gpus_with_server:
         problems.add("learner.gpus", cfg.learner.gpus, f"overlaps rollout_server.gpus {srv.gpus}",
-                     "give the server and the learner disjoint GPU sets")
+                     "give the server and the learner disjoint GPU sets, or set learner.share_gpus_with_server: true")
     if srv.tensor_parallel_size and srv.gpus and len(srv.gpus) % srv.tensor_parallel_size:
         problems.add("rollout_server.tensor_parallel_size", srv.tensor_parallel_size,
                      f"does not divide len(rollout_server.gpus) = {len(srv.gpus)}", "make the GPU count a multiple of TP")

@@ -55,6 +55,11 @@ class DataConfig:
     train_jsonl: str = doc("Training records (JSONL).")
     val_jsonl: str | None = doc("Validation records (JSONL); None = no evaluation.", None)
     image_root: str | None = doc("Directory relative image paths resolve against; None = the JSONL's directory.", None)
+    system_prompt: str | None = doc(
+        "System text of every training, rollout and evaluation prompt; None = the built-in detector instructions "
+        "(common/assistant_json.py). Use the prompt your Stage-1 checkpoint was trained with.", None
+    )
+    user_prompt: str | None = doc("User text after the images; None = the built-in request.", None)
 
 
 @dataclass
@@ -79,6 +84,11 @@ class TrainingConfig:
     max_grad_norm: float = doc("Gradient clipping norm; 0 disables.", 1.0)
     gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
     max_steps: int = doc("Optimizer steps to run.", 100)
+    max_train_seconds: float | None = doc(
+        "Also stop after the optimizer step at which this process has trained this long (the sum of time/step: "
+        "forward/backward, waits and sync stalls; rank 0's clock, broadcast each step): an equal learner-time budget "
+        "for comparisons (bench/bench_quality.py). None = max_steps only. Restarts on resume.", None
+    )
     seed: int = doc("Base seed (learner data order, rollout seeds, actor streams).", 0)
     output_dir: str = doc("Run directory: metrics.jsonl, checkpoints, logs.", "runs/default")
     resume: str | None = doc("None = fresh; auto = latest checkpoint in output_dir if any; or a checkpoint path.", None)
@@ -86,6 +96,13 @@ class TrainingConfig:
     log_every_steps: int = doc("Metrics record every N optimizer steps (rank 0).", 1)
     tensorboard: bool = doc("Also write TensorBoard events (needs the tensorboard package).", False)
     progress: bool = doc("Progress bar on rank 0.", True)
+    eval_every_steps: int = doc(
+        "Evaluate on data.val_jsonl every N optimizer steps (greedy rollouts through the rollout server, on a "
+        "rank-0 thread the learner never waits for) and once at the end; 0 = at the start and the end only. "
+        "Ignored without data.val_jsonl (docs/evaluation.md).",
+        0,
+    )
+    eval_max_images: int | None = doc("Evaluate on the first N records of data.val_jsonl; None = all.", None)
     trace_micro_steps: bool = doc(
         "Each learner rank appends one JSON line per micro-step (kind, pack vers, sample ids, forwards) to "
         "output_dir/trace_rank<r>.jsonl: audits and tests.",
@@ -143,6 +160,13 @@ class Stage2ABConfig:
     bbox_smoothl1_weight: float = doc("Weight of SmoothL1 on expectation-decoded coordinates.", 1.0)
     bbox_ciou_weight: float = doc("Weight of (1 - CIoU) on expectation-decoded boxes.", 1.0)
     coord_temperature: float = doc("τ in c = Σ softmax(z/τ)_k · k/999 over the 1000 coord logits.", 1.0)
+    coord_ce_weight: float = doc(
+        "Stage-1 warm start: weight of a full-vocabulary cross-entropy on the coord tokens of Channel-A packs "
+        "(target <|coord_k|> of the GT bin, per coord slot). 0 = Stage-2 semantics (coords get geometry only, as in "
+        "the origin). Channel-B packs never get it. `python -m learner.warm_start` requires it > 0 "
+        "(docs/warm_start.md).",
+        0.0,
+    )
 
 
 @dataclass
@@ -299,7 +323,15 @@ class TransportConfig:
 class LearnerConfig:
     """The torchrun learner."""
 
-    gpus: list[int] | None = doc("GPU ids of the learner (launcher); must not overlap rollout_server.gpus.", None)
+    gpus: list[int] | None = doc("GPU ids of the learner (launcher); must not overlap rollout_server.gpus "
+                                 "unless share_gpus_with_server.", None)
+    share_gpus_with_server: bool = doc(
+        "Allow learner.gpus to overlap rollout_server.gpus: the learner and the rollout server (hf engine, or "
+        "vLLM with a low gpu_memory_utilization) share those GPUs, e.g. a one-GPU box. They then compete for "
+        "the GPU's memory and compute; NCCL weight sync between two processes on one GPU fails, so use "
+        "rollout_matching.vllm.sync.transport: http.",
+        False,
+    )
     nproc_per_node: int = doc("Learner ranks started by the launcher.", 1)
     backend: Literal["auto", "gloo", "nccl"] = doc("torch.distributed backend; auto = nccl on CUDA else gloo.", "auto")
     collective_timeout_s: float = doc("Deadline for barriers/collectives; a timeout names the awaited step.", 600.0)

@@ -93,6 +93,12 @@ class SamplingParams(_Message):
     """Extra stop strings; generation always stops at the chat template's turn end."""
     repetition_penalty: float = Field(1.0, gt=0.0)
     """vLLM/HF repetition penalty; 1 = off."""
+    logprobs: bool = Field(False, exclude_if=lambda v: v is False)
+    """Return the log-probability of every generated token in ``InferOutput.logprobs``: the sampled
+    token's log-softmax under the model's raw logits, before repetition penalty, temperature, top-k and
+    top-p (so a score does not depend on the decoding knobs). Both engines report this: hf computes it
+    in its sampler from the logits ``generate`` hands it, vllm runs with ``logprobs_mode=raw_logprobs``
+    and ``logprobs=0``. Left out of the JSON when False (see ``InferOutput.logprobs``)."""
 
 
 class ChatPart(_Message):
@@ -202,7 +208,7 @@ class InferOutput(_Message):
 
     Example:
         {"id": "s1", "token_ids": [90, 1, 151645], "text": "{}", "finish_reason": "stop",
-         "prompt_token_ids": [151644, 872, 198]}
+         "prompt_token_ids": [151644, 872, 198], "logprobs": [-0.105, -0.0021, -0.0003]}
     """
 
     id: str | None = None
@@ -216,6 +222,16 @@ class InferOutput(_Message):
     in abort mode — the tokens are unusable and the client resubmits the item."""
     prompt_token_ids: list[int]
     """The prompt as the engine saw it (templated, with vision pad tokens)."""
+    logprobs: list[float] | None = Field(None, exclude_if=lambda v: v is None)
+    """With ``sampling.logprobs``: one natural-log probability (<= 0) per entry of ``token_ids``, same
+    order, turn-end token included — what ``SamplingParams.logprobs`` describes. None (and left out of
+    the JSON, so that peers built before this field still parse the message) when not requested."""
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> InferOutput:
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} token_ids")
+        return self
 
 
 class InferResponse(_Message):

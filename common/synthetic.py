@@ -1,14 +1,18 @@
 """A deterministic synthetic detection dataset: coloured shapes on varied backgrounds.
 
     python -m common.synthetic --out artifacts/data/synth --n 64 --seed 0 [--split 56/8] [--force]
+        [--sides 56,84,112] [--max-objects 12] [--size-range 0.12/0.6]
 
 writes ``train.jsonl``, ``val.jsonl``, ``images/synth-000123.png`` and ``manifest.json`` under
 ``--out``, in the record format of design section 2 (pixel boxes, ``"coord_mode": "pixel"``).
 Record i is drawn from its own random stream ``(seed, i)``, so it is the same whatever ``n`` is,
 and the same seed gives byte-identical files. A second run with the same parameters does nothing.
 
-Each image is 56..112 px per side (multiples of 28, one Qwen2-VL merged patch) with 1..12 shapes
-(rectangle/square, ellipse/circle, triangle) of varied size; shapes may overlap, but every shape keeps
+By default each image is 56..112 px per side (multiples of 28, one Qwen2-VL merged patch) with 1..12
+shapes (rectangle/square, ellipse/circle, triangle), each side 0.12..0.6 of the image's shorter side;
+``sides``, ``max_objects`` and ``size_range`` change that (the demo's detection set uses 112 px images
+with 1..3 larger shapes, which a tiny model learns to localise within CPU minutes: docs/warm_start.md).
+Shapes may overlap, but every shape keeps
 at least half of its pixels visible. ``bbox_2d`` is the tight box of the shape's own pixels (occluded
 ones included) in pixel-edge coordinates, so a shape covering pixel columns 3..9 has x1=3, x2=10.
 Descriptions are "[small|large] <colour> <shape>", e.g. "large blue triangle".
@@ -119,14 +123,21 @@ def _describe(shape: str, color: str, bbox: Sequence[int], w: int, h: int) -> st
     return f"{size}{color} {noun}"
 
 
-def render_record(seed: int, index: int, sides: Sequence[int] = (56, 84, 112)) -> tuple[Image.Image, dict]:
-    """Draw record ``index`` of dataset ``seed``: the image and its JSONL record (without ``images``)."""
+DEFAULT_SIDES = (56, 84, 112)
+DEFAULT_SIZE_RANGE = (0.12, 0.6)
+
+
+def render_record(seed: int, index: int, sides: Sequence[int] = DEFAULT_SIDES, max_objects: int = MAX_OBJECTS,
+                  size_range: Sequence[float] = DEFAULT_SIZE_RANGE) -> tuple[Image.Image, dict]:
+    """Draw record ``index`` of dataset ``seed``: the image and its JSONL record (without ``images``).
+
+    ``size_range``: a shape's box side as a share of the image's shorter side, (low, high)."""
     rng = np.random.default_rng([seed, index])
     w, h = int(rng.choice(sides)), int(rng.choice(sides))
     pixels = _background(rng, w, h)
-    target = int(rng.integers(1, MAX_OBJECTS + 1))
+    target = int(rng.integers(1, max_objects + 1))
     short = min(w, h)
-    lo, hi = max(6, round(0.12 * short)), max(8, round(0.6 * short))
+    lo, hi = max(6, round(size_range[0] * short)), max(8, round(size_range[1] * short))
     placed: list[dict] = []  # {"mask", "visible", "color", "shape"}
     for _ in range(target * 8):
         if len(placed) == target:
@@ -164,8 +175,9 @@ def render_record(seed: int, index: int, sides: Sequence[int] = (56, 84, 112)) -
     return image, record
 
 
-def _params(n_train: int, n_val: int, seed: int, sides: Sequence[int]) -> dict:
-    return {
+def _params(n_train: int, n_val: int, seed: int, sides: Sequence[int], max_objects: int = MAX_OBJECTS,
+            size_range: Sequence[float] = DEFAULT_SIZE_RANGE) -> dict:
+    params = {
         "generator": "common.synthetic",
         "version": GENERATOR_VERSION,
         "n_train": n_train,
@@ -173,6 +185,9 @@ def _params(n_train: int, n_val: int, seed: int, sides: Sequence[int]) -> dict:
         "seed": seed,
         "sides": list(sides),
     }
+    if max_objects != MAX_OBJECTS or tuple(size_range) != DEFAULT_SIZE_RANGE:  # older manifests stay valid
+        params.update(max_objects=max_objects, size_range=[float(x) for x in size_range])
+    return params
 
 
 def _is_complete(out: Path, params: dict) -> bool:
@@ -183,13 +198,14 @@ def _is_complete(out: Path, params: dict) -> bool:
     return manifest.get("params") == params and all((out / f).is_file() for f in manifest.get("files", []))
 
 
-def _write(out: Path, n_train: int, n_val: int, seed: int, sides: Sequence[int]) -> None:
+def _write(out: Path, n_train: int, n_val: int, seed: int, sides: Sequence[int], max_objects: int,
+           size_range: Sequence[float]) -> None:
     (out / "images").mkdir(parents=True)
     files = []
     for split, start, count in (("train", 0, n_train), ("val", n_train, n_val)):
         lines = []
         for i in range(start, start + count):
-            image, record = render_record(seed, i, sides)
+            image, record = render_record(seed, i, sides, max_objects, size_range)
             rel = f"images/{record['id']}.png"
             image.save(out / rel, format="PNG", optimize=False)
             files.append(rel)
@@ -197,7 +213,7 @@ def _write(out: Path, n_train: int, n_val: int, seed: int, sides: Sequence[int])
             lines.append(json.dumps(ordered, ensure_ascii=False, separators=(", ", ": ")) + "\n")
         (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
         files.append(f"{split}.jsonl")
-    manifest = {"params": _params(n_train, n_val, seed, sides), "files": sorted(files)}
+    manifest = {"params": _params(n_train, n_val, seed, sides, max_objects, size_range), "files": sorted(files)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
@@ -211,9 +227,11 @@ def generate(
     out_dir: str | os.PathLike[str],
     n: int = 64,
     seed: int = 0,
-    sides: Sequence[int] = (56, 84, 112),
+    sides: Sequence[int] = DEFAULT_SIDES,
     split: tuple[int, int] | None = None,
     force: bool = False,
+    max_objects: int = MAX_OBJECTS,
+    size_range: Sequence[float] = DEFAULT_SIZE_RANGE,
 ) -> Path:
     """Write the dataset under ``out_dir`` (unless already there with the same parameters) and
     return the path of ``train.jsonl``. ``split`` = (train, val) counts, default :func:`default_split`.
@@ -225,7 +243,11 @@ def generate(
     n_train, n_val = split if split is not None else default_split(n)
     if n_train < 0 or n_val < 0 or n_train + n_val < 1 or not sides:
         raise ValueError(f"need n_train, n_val >= 0 with at least one record and some sides, got {split or n}, {sides}")
-    params = _params(n_train, n_val, seed, sides)
+    if not 1 <= max_objects <= 64:
+        raise ValueError(f"max_objects must be in 1..64, got {max_objects}")
+    if len(size_range) != 2 or not 0 < size_range[0] <= size_range[1] <= 1:
+        raise ValueError(f"size_range must be (low, high) with 0 < low <= high <= 1, got {tuple(size_range)}")
+    params = _params(n_train, n_val, seed, sides, max_objects, size_range)
     if not force and _is_complete(out, params):
         return out / "train.jsonl"
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
@@ -233,7 +255,7 @@ def generate(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write(tmp, n_train, n_val, seed, sides)
+        _write(tmp, n_train, n_val, seed, sides, max_objects, size_range)
         if not force and _is_complete(out, params):  # a concurrent call finished first
             return out / "train.jsonl"
         if out.exists():
@@ -260,7 +282,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default: %(default)s)")
     parser.add_argument("--split", default=None, metavar="TRAIN/VAL", help="explicit counts, e.g. 56/8 (overrides --n)")
     parser.add_argument("--force", action="store_true", help="regenerate even if the outputs are up to date")
+    parser.add_argument("--sides", default=",".join(map(str, DEFAULT_SIDES)), help="image side choices in px (default: %(default)s)")
+    parser.add_argument("--max-objects", type=int, default=MAX_OBJECTS, help="shapes per image, 1..N (default: %(default)s)")
+    parser.add_argument("--size-range", default="/".join(map(str, DEFAULT_SIZE_RANGE)), metavar="LOW/HIGH",
+                        help="shape box side as a share of the shorter image side (default: %(default)s)")
     args = parser.parse_args(argv)
+    try:
+        sides = tuple(int(x) for x in args.sides.split(","))
+        size_range = tuple(float(x) for x in args.size_range.split("/"))
+    except ValueError:
+        parser.error(f"--sides must look like 56,84,112 and --size-range like 0.12/0.6, got {args.sides!r}, {args.size_range!r}")
     split = None
     if args.split is not None:
         try:
@@ -269,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError:
             parser.error(f"--split must look like TRAIN/VAL, e.g. 56/8, got {args.split!r}")
     try:
-        train = generate(args.out, n=args.n, seed=args.seed, split=split, force=args.force)
+        train = generate(args.out, n=args.n, seed=args.seed, split=split, force=args.force, sides=sides,
+                         max_objects=args.max_objects, size_range=size_range)
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

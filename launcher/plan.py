@@ -40,15 +40,16 @@ def _gpu_env(gpus: list[int] | None) -> dict[str, str]:
 
 def actors_wanted(cfg: Config) -> bool:
     """Actor processes feed only the async mode's per-rank queues; ``step`` and ``micro`` roll out inside
-    the learner, so actors there would wait for credits no learner publishes and exit with code 3."""
-    return cfg.stage2_ab.channel_b.mode == "async"
+    the learner, so actors there would wait for credits no learner publishes and exit with code 3. With
+    ``b_ratio: 0`` no step ever wants B: actors would only take the cores (and the server) from the learner."""
+    return cfg.stage2_ab.channel_b.mode == "async" and cfg.stage2_ab.schedule.b_ratio > 0
 
 
 def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Path,
                python: str = sys.executable, start_server: bool = True) -> list[ProcessSpec]:
     """Server(s) first, then the learner (it binds the pack sockets), then the actors."""
     srv, lrn = cfg.rollout_server, cfg.learner
-    if srv.gpus and lrn.gpus and set(srv.gpus) & set(lrn.gpus):
+    if srv.gpus and lrn.gpus and set(srv.gpus) & set(lrn.gpus) and not lrn.share_gpus_with_server:
         raise PlanError(f"rollout_server.gpus {srv.gpus} and learner.gpus {lrn.gpus} overlap: "
                         "give the server and the learner disjoint GPU sets")
     if srv.engine == "vllm" and not srv.gpus:

@@ -1,18 +1,39 @@
 """``python -m launcher.plot RUN_DIR``: turn a run's metrics.jsonl into PNGs.
 
-One overview figure (``run.png``) with six panels: losses; cumulative A/B steps and skips; queue
-depth; ver and ver lag; pack fill; learner busy fraction. Needs matplotlib (Agg backend, headless).
+One overview figure (``run.png``) with eight panels: losses; cumulative A/B steps and skips; queue
+depth; ver and ver lag; pack fill; learner busy fraction; rollout P/R/F1 of the B steps (from their
+counts); validation quality (the evaluation records: F1@0.5, mAP, mAP@.5, parse failures). The step
+panels read step records only. Needs matplotlib (Agg backend, headless).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
-from launcher.summary import K, read_metrics
+from common.matching import precision_recall_f1
+from launcher.summary import K, read_eval_records, read_metrics
+
+#: Panel titles the tests look for.
+ROLLOUT_TITLE = "rollout P/R/F1 of B steps"
+EVAL_TITLE = "validation quality"
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
+    """Draw ``{run_dir}/run.png``; returns the files written."""
+    run_dir = Path(run_dir)
+    fig = build_figure(run_dir)  # selects the headless backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    out = run_dir / "run.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return [out]
+
+
+def build_figure(run_dir: str | Path) -> Any:
+    """The overview figure of a run (a matplotlib Figure, not yet saved)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,9 +55,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             out.append(n)
         return out
 
-    fig, axes = plt.subplots(3, 2, figsize=(12, 10), constrained_layout=True)
+    fig, axes = plt.subplots(4, 2, figsize=(12, 13), constrained_layout=True)
     ax = axes[0][0]
-    for key in ("loss/total", "loss/ce", "loss/bbox_smoothl1", "loss/bbox_ciou"):
+    coord_ce = ("loss/coord_ce",) if any(r.get("loss/coord_ce") for r in recs) else ()  # Stage-1 CE on A steps
+    for key in ("loss/total", "loss/ce", "loss/bbox_smoothl1", "loss/bbox_ciou", *coord_ce):
         ax.plot(steps, series(key), label=key.split("/")[1])
     ax.set_title("losses"); ax.legend(); ax.set_xlabel("optimizer step")
 
@@ -74,11 +96,54 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     ax.plot(steps, series("time/wait_for_a_window"), ":", label="wait for A window (s)")
     ax.set_title("learner utilisation"); ax.legend(); ax.set_xlabel("optimizer step")
 
+    _rollout_panel(axes[3][0], recs)
+    _eval_panel(axes[3][1], read_eval_records(run_dir))
     fig.suptitle(f"tandem run: {run_dir}")
-    out = run_dir / "run.png"
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return [out]
+    return fig
+
+
+def _rollout_panel(ax: Any, recs: list[dict[str, Any]]) -> None:
+    """Per B step P/R/F1 (markers, only steps whose packs held boxes) and the run's F1 so far, all from counts."""
+    pts, run_f1, seen = [], [], {"n_matched": 0, "n_pred": 0, "n_gt": 0}
+    for r in recs:
+        if "rollout/n_pred" not in r:  # an A step, or a B step of a run older than the counts
+            continue
+        n = {k: int(r.get(f"rollout/{k}", 0)) for k in seen}
+        for k in seen:
+            seen[k] += n[k]
+        if n["n_pred"] + n["n_gt"]:
+            pts.append((r["step"], *precision_recall_f1(n["n_matched"], n["n_pred"], n["n_gt"])))
+        if seen["n_pred"] + seen["n_gt"]:
+            run_f1.append((r["step"], precision_recall_f1(seen["n_matched"], seen["n_pred"], seen["n_gt"])[2]))
+    if pts:
+        steps, p, rc, f1 = zip(*pts)
+        ax.plot(steps, p, "^", label="precision", ms=4)
+        ax.plot(steps, rc, "v", label="recall", ms=4)
+        ax.plot(steps, f1, "o", label="F1", ms=4)
+    if run_f1:
+        ax.plot(*zip(*run_f1), "-", label="F1 of the run so far")
+    if not pts:
+        ax.text(0.5, 0.5, "no B rollouts", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylim(0, 1.05); ax.set_title(ROLLOUT_TITLE); ax.set_xlabel("optimizer step")
+    if pts:
+        ax.legend()
+
+
+def _eval_panel(ax: Any, evals: list[dict[str, Any]]) -> None:
+    """F1@0.5, mAP, mAP@.5 and parse-failure rate of each evaluation, against the step its weights were taken at."""
+    drawn = False
+    for key, label, style in (("eval/f1", "F1@0.5", "o-"), ("eval/map", "mAP", "s-"), ("eval/map_50", "mAP@.5", "D--"),
+                              ("eval/parse_failure_rate", "parse failure rate", "x:")):
+        pts = [(r["step"], r[key]) for r in evals if isinstance(r.get(key), (int, float)) and "step" in r]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label, ms=5)
+            drawn = True
+    if drawn:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no evaluation records\n(data.val_jsonl unset?)", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_ylim(0, 1.05); ax.set_title(EVAL_TITLE); ax.set_xlabel("optimizer step")
 
 
 if __name__ == "__main__":

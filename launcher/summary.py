@@ -1,8 +1,9 @@
 """Turn a run directory into the few numbers a user reads first (``make demo`` prints them).
 
-Reads ``{run}/metrics.jsonl`` (rank 0, one record per optimizer step), the final checkpoint's
-``trainer_state.json`` where the run wrote one, and the launcher's exit codes. Knows nothing about how
-the numbers were produced.
+Reads ``{run}/metrics.jsonl`` (rank 0: one step record per optimizer step, with evaluation records
+``{"record": "eval", ...}`` interleaved), the final checkpoint's ``trainer_state.json`` where the run
+wrote one, ``run_config.yaml`` (only to say why there is no evaluation) and the launcher's exit codes.
+Knows nothing about how the numbers were produced.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from common.matching import precision_recall_f1
+
 K = "stage2_ab/async/"
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+def record_kind(record: dict[str, Any]) -> str:
+    """``"step"`` (no ``record`` key: one optimizer step) or what the record says (``"eval"``)."""
+    return str(record.get("record", "step"))
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of ``metrics.jsonl`` in file order, step and evaluation records alike."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
@@ -24,10 +33,22 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         line = line.strip()
         if line:
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line from a killed run
+            if isinstance(record, dict):
+                out.append(record)
     return out
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The step records (one per optimizer step); evaluation records are left out (:func:`read_eval_records`)."""
+    return [r for r in read_records(run_dir) if record_kind(r) == "step"]
+
+
+def read_eval_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluation records, in file order (``step`` = optimizer steps done when the weights were taken)."""
+    return [r for r in read_records(run_dir) if record_kind(r) == "eval"]
 
 
 def read_final_state(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -51,8 +72,10 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run summary as a dict (also written to ``summary.json``); ``final`` = ``read_final_state``."""
+def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None,
+              evals: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The run summary as a dict (also written to ``summary.json``); ``final`` = ``read_final_state``,
+    ``evals`` = ``read_eval_records`` (the ``eval`` section; None when there were none)."""
     if not records:
         return {"steps": 0}
     b_recs = [r for r in records if r.get(K + "step_kind_b")]
@@ -75,13 +98,49 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "busy_fraction": _mean([r.get("learner/busy_fraction", 0.0) for r in records]),
         "wait_for_packs_s": sum(r.get("time/wait_for_packs", 0.0) for r in records),
         "wait_for_a_window_s": sum(r.get("time/wait_for_a_window", 0.0) for r in records),
-        "rollout_precision": _mean([r["rollout/precision"] for r in b_recs if "rollout/precision" in r]),
-        "rollout_recall": _mean([r["rollout/recall"] for r in b_recs if "rollout/recall" in r]),
-        "rollout_f1": _mean([r["rollout/f1"] for r in b_recs if "rollout/f1" in r]),
+        **rollout_totals(b_recs),
         "loss_first": records[0].get("loss/total"),
         "loss_last": last.get("loss/total"),
         **_sync_stall(records),
+        "eval": summarize_evals(evals or []),
     }
+
+
+def rollout_totals(b_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rollout quality over the run: the B records' counts summed, then P/R/F1 once.
+
+    Averaging per-step F1 would weight a step with one box like a step with fifty. P/R/F1 are None
+    when the trained B packs held no GT and no prediction at all (or no B step ran).
+    """
+    n = {k: int(sum(r.get(f"rollout/{k}", 0) for r in b_records)) for k in ("n_matched", "n_pred", "n_gt")}
+    p = rc = f1 = None
+    if n["n_pred"] + n["n_gt"] > 0:
+        p, rc, f1 = precision_recall_f1(n["n_matched"], n["n_pred"], n["n_gt"])
+    # Every trained B segment is one rollout; invalid_rollout counts those that parsed to no complete object.
+    rollouts = int(sum(r.get("packing/segments", 0) for r in b_records))
+    invalid = int(sum(r.get("rollout/invalid_rollout", 0) for r in b_records))
+    return {"rollout_precision": p, "rollout_recall": rc, "rollout_f1": f1,
+            **{f"rollout_{k}": v for k, v in n.items()}, "rollouts_trained": rollouts,
+            "rollouts_valid_share": (rollouts - invalid) / rollouts if rollouts else None}
+
+
+#: The evaluation keys the summary keeps (``eval/<name>`` in the record, ``<name>`` in summary.json).
+EVAL_KEYS = ("precision", "recall", "f1", "map", "map_50", "parse_failure_rate", "truncated_rate",
+             "objects_per_image", "gt_per_image", "n_images", "mean_matched_iou", "ver")
+
+
+def summarize_evals(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """First, best (highest ``eval/f1``; the later on ties) and last evaluation, or None without any."""
+    if not evals:
+        return None
+
+    def point(r: dict[str, Any]) -> dict[str, Any]:
+        return {"step": r.get("step"), **{k: r.get(f"eval/{k}") for k in EVAL_KEYS}}
+
+    scored = [r for r in evals if isinstance(r.get("eval/f1"), (int, float))]
+    best = max(reversed(scored), key=lambda r: r["eval/f1"]) if scored else None
+    return {"n": len(evals), "best_by": "f1", "first": point(evals[0]),
+            "best": point(best) if best is not None else None, "last": point(evals[-1])}
 
 
 def _sync_stall(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -131,8 +190,9 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"mean pack fill         B {f(s['mean_fill_b'])}  A {f(s['mean_fill_a'])}",
         f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s, "
         f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s)",
-        f"rollout P / R / F1     {f(s['rollout_precision'])} / {f(s['rollout_recall'])} / {f(s['rollout_f1'])}",
+        _rollout_line(s, f),
         f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
+        *_eval_lines(s.get("eval"), s.get("val_jsonl"), f),
     ]
     if wall_s is not None:
         lines.append(f"wall time              {wall_s:.1f} s")
@@ -141,13 +201,61 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
     return "\n".join(lines)
 
 
+def _rollout_line(s: dict[str, Any], f: Any) -> str:
+    if s.get("rollout_f1") is None:
+        return "rollout P / R / F1     n/a (no B rollouts)"
+    line = (f"rollout P / R / F1     {f(s['rollout_precision'])} / {f(s['rollout_recall'])} / {f(s['rollout_f1'])}  "
+            f"(B packs: {s.get('rollout_n_matched', 0)} matched of {s.get('rollout_n_pred', 0)} predicted, "
+            f"{s.get('rollout_n_gt', 0)} GT)")
+    if s.get("rollouts_valid_share") is not None:
+        line += (f"\nB rollouts parsed      {100 * s['rollouts_valid_share']:.0f} % of {s['rollouts_trained']} "
+                 "to ≥ 1 valid object")
+    return line
+
+
+def _eval_lines(ev: dict[str, Any] | None, val_jsonl: Any, f: Any) -> list[str]:
+    """``val F1@0.5 / mAP first → best → last`` and the last evaluation's parse failures and box counts."""
+    if not ev:
+        if val_jsonl is False:
+            return ["validation             no evaluation (data.val_jsonl unset)"]
+        if val_jsonl:
+            return [f"validation             no evaluation records (data.val_jsonl = {val_jsonl}; did the run reach "
+                    "its first evaluation? see the learner log)"]
+        return ["validation             no evaluation records"]
+
+    def at(p: dict[str, Any] | None) -> str:
+        return "n/a" if p is None else f"{f(p.get('f1'))} / {f(p.get('map'))} (step {p.get('step')})"
+
+    last = ev["last"]
+    one = lambda x, fmt: "n/a" if not isinstance(x, (int, float)) else format(x, fmt)  # noqa: E731
+    return [
+        f"val F1@0.5 / mAP       first {at(ev['first'])} → best {at(ev['best'])} → last {at(last)}",
+        f"val parse fail / obj   {one(last.get('parse_failure_rate'), '.2f')} / "
+        f"{one(last.get('objects_per_image'), '.1f')} per image (GT {one(last.get('gt_per_image'), '.1f')})",
+    ]
+
+
+def _val_jsonl(run_dir: Path) -> Any:
+    """``data.val_jsonl`` from the run's ``run_config.yaml``: the path, False when unset, None when unknown."""
+    import yaml  # omegaconf's own dependency
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "run_config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    data = cfg.get("data") if isinstance(cfg, dict) else None
+    return (data.get("val_jsonl") or False) if isinstance(data, dict) else None
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.0f} %"
 
 
 def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> dict:
     records = read_metrics(run_dir)
-    s = summarize(records, read_final_state(run_dir, records))
+    s = summarize(records, read_final_state(run_dir, records), read_eval_records(run_dir))
+    if s.get("steps"):
+        s["val_jsonl"] = _val_jsonl(run_dir)
     if wall_s is not None:
         s["wall_s"] = wall_s
     if exit_codes is not None:

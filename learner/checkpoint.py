@@ -46,6 +46,14 @@ _MODEL_SIDE_FILES = ("model.safetensors", "model.safetensors.index.json", "pytor
                      "generation_config.json", "tandem_build.json")
 
 
+def copy_model_side_files(src: Path, dst: Path) -> None:
+    """Copy ``src``'s tokenizer, chat template and processor files into the saved model ``dst`` (its weights,
+    config and build record are ``dst``'s own), so ``dst`` is servable and loadable as is."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name not in _MODEL_SIDE_FILES and not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+
+
 def checkpoints_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
@@ -92,9 +100,7 @@ def save(
     if dist.is_main:
         hf = unwrap(model)
         hf.save_pretrained(tmp / "model")
-        for f in Path(model_path).iterdir():  # tokenizer, chat template, processor: the directory stays servable
-            if f.is_file() and f.name not in _MODEL_SIDE_FILES and not (tmp / "model" / f.name).exists():
-                shutil.copy2(f, tmp / "model" / f.name)
+        copy_model_side_files(Path(model_path), tmp / "model")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "world_size": dist.world_size}, indent=1))

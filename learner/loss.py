@@ -8,6 +8,10 @@ For one pack, with ``labels[p]`` predicted from the logits at ``p - 1``:
   the 1000 coord ids decode to ``c = Σ_k softmax(z/τ)_k · k/999``; groups of four are one box
   (x1, y1, x2, y2) compared with ``coord_bins / 999`` by SmoothL1 (β = 1, per coordinate) and
   ``1 - CIoU`` (per box).
+- **Coord CE** (Stage-1 warm start only, ``LossWeights.coord_ce > 0``): cross-entropy over the
+  FULL vocabulary at every coord slot, target the coord token of ``coord_bins``, per coord slot
+  (``4 × boxes``). This is what teaches a model that never emitted ``<|coord_k|>`` to emit them;
+  Stage-2 (the origin's semantics) leaves it at 0, and the learner never applies it to B packs.
 
 Every term is a *sum* divided by a denominator fixed for the whole optimizer step
 (:class:`Normaliser`): the CE-supervised token count and the box count over all micro-steps and
@@ -39,6 +43,7 @@ class LossWeights:
     smoothl1: float = 1.0
     ciou: float = 1.0
     temperature: float = 1.0
+    coord_ce: float = 0.0  # Stage-1: full-vocabulary CE on coord slots (stage2_ab.coord_ce_weight)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class LossTerms:
     ce: float
     bbox_smoothl1: float
     bbox_ciou: float
+    coord_ce: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -165,11 +171,17 @@ def pack_loss(
         ciou = ciou_loss(pred.view(-1, 4), gt.view(-1, 4)).sum() / norm.boxes
     else:
         sl1 = ciou = zero
-    total = ce + weights.smoothl1 * sl1 + weights.ciou * ciou
+    if weights.coord_ce > 0 and rows.n_boxes and norm.boxes > 0:
+        targets = coord_ids.to(coord_logits.device)[rows.coord_bins.to(coord_logits.device)]
+        coord_ce = F.cross_entropy(coord_logits.float(), targets, reduction="sum") / (4 * norm.boxes)
+    else:
+        coord_ce = zero
+    total = ce + weights.smoothl1 * sl1 + weights.ciou * ciou + weights.coord_ce * coord_ce
     return LossTerms(
         backward=total * norm.scale,
         total=float(total.detach()),
         ce=float(ce.detach()),
         bbox_smoothl1=float(sl1.detach()),
         bbox_ciou=float(ciou.detach()),
+        coord_ce=float(coord_ce.detach()),
     )

@@ -4,7 +4,8 @@
     python learner/main.py --config PATH [...]          # W = 1, no torchrun needed
 
 Parses the arguments, loads and validates the config with the world size torchrun announced
-(config errors: exit 2, every problem listed), names the process, and only then imports torch and
+(config errors: exit 2, every problem listed), names the process, has rank 0 write the run record
+(``run_config.yaml``, ``run_info.json``: ``learner/run_record.py``), and only then imports torch and
 transformers (``--help`` and config errors come back in well under a second), calls
 ``learner.train.run`` once, and tears the process group down in ``finally``.
 """
@@ -15,6 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script (torchrun learner/main.py): import from the repo root, and
     # NOTE: drop learner/ itself from sys.path, or learner/queue.py would shadow the stdlib's queue.
@@ -35,6 +37,17 @@ def _name_process(title: str) -> None:
         pass
 
 
+def _record_run(cfg: Any, world_size: int) -> None:
+    """Rank 0 keeps what produced the run in its directory, before any training (learner/run_record.py)."""
+    from learner.run_record import resume_step, write_run_record
+
+    try:
+        step = resume_step(cfg.training.resume, cfg.training.output_dir)
+    except FileNotFoundError:
+        return  # not a checkpoint: the learner's start reports it; a fresh record here would replace the run's
+    write_run_record(cfg, cfg.training.output_dir, world_size=world_size, resumed_from_step=step)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -52,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s learner[{rank}] %(levelname)s %(name)s: %(message)s")
     _name_process(f"learner-r{rank}")
+    if rank == 0:
+        _record_run(cfg, world_size)
 
     from learner.distributed import Dist  # heavy (torch): deferred until the config is known to be good
     from learner.train import run

@@ -1,6 +1,6 @@
 """Per-optimizer-step metrics: gathered from every rank, written by rank 0 (design section 10).
 
-Each rank fills one :class:`RankStats` per step; :func:`gather_step` all-gathers them as one
+Each rank fills one :class:`RankStats` per step; :func:`gather_stats_record` all-gathers them as one
 fixed-length float vector (one collective, every rank, every step) and rank 0 turns them into one
 JSONL record (``{training.output_dir}/metrics.jsonl``, one line per optimizer step), optional
 TensorBoard scalars and a tqdm bar. Keys are ``<area>/<name>``; stalls are ``time/wait_*``.
@@ -8,7 +8,9 @@ TensorBoard scalars and a tqdm bar. Keys are ``<area>/<name>``; stalls are ``tim
 Aggregation rule: losses are already normalised by step-global counts, so they are *summed* over
 ranks; counters (drops, received, ...) are summed for the ``*_total`` keys and also reported per
 rank under ``queue/rank<r>/*`` (the conservation identity is checked per rank); times are the
-max over ranks (the slowest rank sets the step time) with ``*_mean`` next to them.
+max over ranks (the slowest rank sets the step time) with ``*_mean`` next to them. Rollout quality
+(``rollout/*``) exists only on steps that trained B packs: counts summed over ranks, P/R/F1 from them.
+Evaluation records (``"record": "eval"``) share the file, appended by :meth:`MetricsWriter.write_eval`.
 
 What this module does not know: models, sockets, or how the values were measured.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +29,17 @@ from learner.queue import COUNTER_NAMES
 
 log = logging.getLogger(__name__)
 
+#: The actor's per-segment rollout counters a trained B pack carries (summed by :meth:`RankStats.add_pack_meta`).
+ROLLOUT_COUNTS = ("n_pred", "n_gt", "n_matched", "parse_truncated", "invalid_rollout")
+
 #: Scalar per-rank fields, in vector order (the trained pack vers follow, padded to GA with -1).
 RANK_FIELDS = (
     "kind_b", "micro_steps", "forwards", "backwards", "max_forwards_per_micro", "packs", "segments", "tokens",
     "time_forward_backward", "time_wait_for_packs", "time_wait_for_a_window", "time_step", "time_sync_stall",
-    "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou",
+    "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou", "loss_coord_ce",
     "ver_lag_sum", "ver_lag_max", "queue_depth", "fill_sum", "ver_current", "sync_client_calls",
     "a_dropped_total", "a_window_carry",
-    "rollout_n_pred", "rollout_n_gt", "rollout_n_matched", "rollout_parse_truncated", "rollout_invalid_rollout",
+    *(f"rollout_{name}" for name in ROLLOUT_COUNTS),
     *(f"queue_{name}" for name in COUNTER_NAMES),
 )
 
@@ -49,7 +55,7 @@ class RankStats(dict):
         """Sum the actor's per-segment rollout counters of a trained B pack."""
         for m in segment_meta:
             inner = m.get("meta", {})
-            for key in ("n_pred", "n_gt", "n_matched", "parse_truncated", "invalid_rollout"):
+            for key in ROLLOUT_COUNTS:
                 value = inner.get(key, 0)
                 if isinstance(value, (int, float)):
                     self[f"rollout_{key}"] += value
@@ -67,11 +73,27 @@ def unpack(vector: list[float], ga: int) -> RankStats:
     return stats
 
 
+def rollout_keys(counts: dict[str, int]) -> dict[str, Any]:
+    """The ``rollout/*`` keys of a step that trained B packs: the counts (``counts``: :data:`ROLLOUT_COUNTS`
+    summed over ranks) and P/R/F1 from them.
+
+    P/R/F1 are left out when the packs held no GT and no prediction: ``precision_recall_f1`` calls
+    that case perfect (1.0), which is right for one image but would read as a perfect step in a plot.
+    A steps get none of these keys (absent, not 0 or 1): readers aggregate the counts over B records.
+    """
+    out: dict[str, Any] = {f"rollout/{k}": int(counts[k]) for k in ROLLOUT_COUNTS}
+    if counts["n_pred"] + counts["n_gt"] > 0:
+        p, r, f1 = precision_recall_f1(int(counts["n_matched"]), int(counts["n_pred"]), int(counts["n_gt"]))
+        out.update({"rollout/precision": p, "rollout/recall": r, "rollout/f1": f1})
+    return out
+
+
 def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], packing_length: int) -> dict[str, Any]:
     """The JSONL record of optimizer step ``step`` from every rank's stats and rank 0's facts.
 
     ``facts`` holds the rank-0 values: policy/kind/skip flags, ver_current, realized ratio, sync
-    timings and counts, lr, grad norm.
+    timings and counts, lr, grad norm. ``rollout/*`` keys are present only when the step trained B
+    packs (:func:`rollout_keys`).
     """
     n = len(per_rank)
 
@@ -81,7 +103,6 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
     step_s = max(r["time_step"] for r in per_rank) or 1e-9
     fb = [r["time_forward_backward"] for r in per_rank]
     packs, tokens, lags = total("packs"), total("tokens"), [v for r in per_rank for v in r.trained_vers]
-    p, rc, f1 = precision_recall_f1(int(total("rollout_n_matched")), int(total("rollout_n_pred")), int(total("rollout_n_gt")))
     rec: dict[str, Any] = {
         "step": step,
         **facts,
@@ -101,6 +122,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "loss/ce": total("loss_ce"),
         "loss/bbox_smoothl1": total("loss_bbox_smoothl1"),
         "loss/bbox_ciou": total("loss_bbox_ciou"),
+        "loss/coord_ce": total("loss_coord_ce"),
         "time/step": step_s,
         "time/forward_backward": max(fb),
         "time/forward_backward_mean": sum(fb) / n,
@@ -119,12 +141,9 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "packing/tokens": int(tokens),
         "packing/channel_a_dropped_total": int(total("a_dropped_total")),
         "packing/window_carry": int(total("a_window_carry")),
-        "rollout/precision": p,
-        "rollout/recall": rc,
-        "rollout/f1": f1,
-        "rollout/parse_truncated": int(total("rollout_parse_truncated")),
-        "rollout/invalid_rollout": int(total("rollout_invalid_rollout")),
     }
+    if any(r["kind_b"] for r in per_rank) and packs:
+        rec.update(rollout_keys({k: int(total(f"rollout_{k}")) for k in ROLLOUT_COUNTS}))
     for r, stats in enumerate(per_rank):
         for name in COUNTER_NAMES:
             rec[f"queue/rank{r}/{name}"] = int(stats[f"queue_{name}"])
@@ -132,12 +151,19 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
 
 
 class MetricsWriter:
-    """Rank 0's sinks: JSONL (always), TensorBoard (optional), a tqdm bar (optional)."""
+    """Rank 0's sinks: JSONL (always), TensorBoard (optional), a tqdm bar (optional).
+
+    Two writers share ``metrics.jsonl``: the training thread (:meth:`write`, one step record per
+    optimizer step) and the evaluation thread (:meth:`write_eval`, one ``"record": "eval"`` line per
+    evaluation). One lock serialises them, so every line is whole; step records carry no ``record``
+    key (readers treat a missing one as ``"step"``, see ``launcher.summary.read_metrics``).
+    """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, progress: bool,
                  start_step: int, max_steps: int) -> None:
         self.enabled = enabled
         self._jsonl = self._tb = self._bar = None
+        self._lock = threading.Lock()
         if not enabled:
             return
         out = Path(output_dir)
@@ -158,7 +184,31 @@ class MetricsWriter:
             self._bar = tqdm(total=max_steps, initial=start_step, desc="learner", unit="step", dynamic_ncols=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one step record (training thread)."""
         if not self.enabled:
+            return
+        with self._lock:
+            self._append(record)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(kind=record.get("stage2_ab/async/step_kind_b"), loss=f"{record['loss/total']:.3f}",
+                                  ver=record.get("stage2_ab/async/ver_current"), refresh=False)
+
+    def write_eval(self, record: dict[str, Any]) -> None:
+        """Append one evaluation record (any thread): ``metrics.jsonl`` and ``eval/*`` scalars at ``record["step"]``.
+
+        ``record["step"]`` is the optimizer steps completed when the evaluated weights were taken; the
+        ``record`` key is set to ``"eval"`` here so readers can tell it from a step record.
+        """
+        if not self.enabled:
+            return
+        with self._lock:
+            self._append({"record": "eval", **{k: v for k, v in record.items() if k != "record"}})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """One JSON line (flushed) and its finite numeric values as TensorBoard scalars; caller holds the lock."""
+        if self._jsonl is None:  # an evaluation that finished after close(): say so rather than raise in its thread
+            log.warning("metrics record of step %s arrived after the writer closed; not written", record.get("step"))
             return
         self._jsonl.write(json.dumps(record, default=_plain) + "\n")
         self._jsonl.flush()
@@ -166,15 +216,13 @@ class MetricsWriter:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._tb.add_scalar(k, v, record["step"])
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix(kind=record.get("stage2_ab/async/step_kind_b"), loss=f"{record['loss/total']:.3f}",
-                                  ver=record.get("stage2_ab/async/ver_current"), refresh=False)
 
     def close(self) -> None:
-        for sink in (self._jsonl, self._tb, self._bar):
-            if sink is not None:
-                sink.close()
+        with self._lock:
+            for sink in (self._jsonl, self._tb, self._bar):
+                if sink is not None:
+                    sink.close()
+            self._jsonl = self._tb = self._bar = None
 
 
 def _plain(obj: Any) -> Any:

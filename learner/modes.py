@@ -74,7 +74,7 @@ def _train_packs(learner: Any, packs: list[Any], stats: RankStats, weight_per_se
     for pack in packs:
         inp = learner.inputs(pack.tensors())
         norm = Normaliser(ce_tokens=inp.rows.n_ce, boxes=inp.rows.n_boxes)
-        seen = learner.forward_backward(inp, norm, stats, sync_grads=True,
+        seen = learner.forward_backward(inp, norm, stats, channel="B", sync_grads=True,
                                         loss_scale=len(pack.segments) * weight_per_segment)
         lag = learner.ver - pack.ver
         stats["ver_lag_sum"] += lag
@@ -169,7 +169,7 @@ def _a_step(learner: Any, stats: RankStats) -> None:
     inputs = [learner.inputs(a) for a in window.arrays]
     norm = learner.global_normaliser(inputs)
     for i, (inp, pack) in enumerate(zip(inputs, packs)):
-        seen = learner.forward_backward(inp, norm, stats, sync_grads=True)
+        seen = learner.forward_backward(inp, norm, stats, channel="A", sync_grads=True)
         learner.trace(micro=i, kind="A", ver_current=learner.ver, pack_ver=pack.ver, forwards=seen["forward"],
                       backwards=seen["backward"], sample_ids=[s.sample_id for s in pack.segments], tokens=inp.n_tokens)
 
@@ -177,7 +177,7 @@ def _a_step(learner: Any, stats: RankStats) -> None:
 def run_sync_mode(learner: Any, mode: str) -> None:
     """Loop ``step`` or ``micro`` optimizer steps until ``training.max_steps`` (world size 1)."""
     stream = _BStream(learner) if learner.b_ratio > 0 else None
-    while learner.step < learner.cfg.training.max_steps:
+    while not learner.finished:
         t_step = time.monotonic()
         stats, facts = RankStats(), {}
         learner.maybe_sync(facts, stats)

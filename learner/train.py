@@ -50,6 +50,7 @@ from learner import checkpoint
 from learner.data import ChannelAData
 from learner.decision import decide_step
 from learner.distributed import Dist
+from learner.evaluation import PeriodicEval
 from learner.loss import LossWeights, Normaliser, pack_loss
 from learner.metrics import MetricsWriter, RankStats, gather_stats_record
 from learner.model import PackInputs, build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, resolve_dtype
@@ -73,6 +74,8 @@ class Learner:
         self.out = Path(cfg.training.output_dir)
         self.step = 0
         self.ver = 0
+        self.train_seconds = 0.0  # sum of time/step in this process (training.max_train_seconds)
+        self.out_of_time = False
         self.realized = RealizedRatio(REALIZED_WINDOW)
         self.recent_kinds: deque[bool] = deque(maxlen=REALIZED_WINDOW)  # checkpointed to restore ``realized``
         self.b_trained: set[str] = set()  # the B-sample ledger (shared with the ready queue in async mode)
@@ -84,7 +87,11 @@ class Learner:
         self.sync = WeightSync(cfg, dist, progress=lambda: self.step)
         self._carry_facts: dict[str, Any] = {}  # a push outcome adopted at a checkpoint: reported with the next step
         ab = cfg.stage2_ab
-        self.loss_weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature)
+        # Channel-B packs never get the Stage-1 coord CE (stage2_ab.coord_ce_weight; learner/loss.py).
+        self.loss_weights = {
+            "A": LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature, ab.coord_ce_weight),
+            "B": LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature),
+        }
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -161,6 +168,8 @@ class Learner:
             self.out, enabled=dist.is_main, tensorboard=cfg.training.tensorboard,
             progress=cfg.training.progress, start_step=self.step, max_steps=cfg.training.max_steps,
         )
+        self.evals = PeriodicEval(cfg, is_main=dist.is_main, write=self.writer.write_eval)
+        self._eval_due = True  # the first push (start-up sync) is evaluated: the quality training starts from
 
     def _resume(self) -> None:
         ckpt = self.resume_from
@@ -200,6 +209,14 @@ class Learner:
         if result is not None:
             self._adopt(result, facts)
         stats["time_sync_stall"] += time.monotonic() - t0
+        every = self.cfg.training.eval_every_steps
+        self._eval_due |= bool(every) and self.step % every == 0
+        if self._eval_due and result is not None and result.finished and result.ok:
+            # The server now holds this ver: evaluate it (rank 0's thread; nobody waits for it), labelled with
+            # the step of its weights (overlap mode: the snapshot's, up to a push earlier than this boundary).
+            self._eval_due = False
+            step = result.weights_step if result.weights_step is not None else self.step
+            self.evals.maybe_start(step, self.ver)
 
     def _adopt(self, result: Any, facts: dict[str, Any]) -> None:
         facts.update(result.metrics)
@@ -226,9 +243,10 @@ class Learner:
     def _count_backward(self, grad: torch.Tensor) -> None:
         self.calls["backward"] += 1
 
-    def forward_backward(self, inp: PackInputs, norm: Normaliser, stats: RankStats, *, sync_grads: bool,
+    def forward_backward(self, inp: PackInputs, norm: Normaliser, stats: RankStats, *, channel: str, sync_grads: bool,
                          loss_scale: float = 1.0) -> dict[str, int]:
-        """One packed forward and one backward; gradients all-reduce only if ``sync_grads``.
+        """One packed forward and one backward of a ``channel`` ("A" or "B") pack; gradients all-reduce only if
+        ``sync_grads``.
 
         Returns the forwards and backwards the hooks actually saw (1 and 1; a test checks it).
         """
@@ -240,7 +258,7 @@ class Learner:
             logits = forward_rows(self.model, inp)
             if logits.requires_grad:
                 logits.register_hook(self._count_backward)
-            terms = pack_loss(logits, inp.rows, self.coord_ids, norm, self.loss_weights)
+            terms = pack_loss(logits, inp.rows, self.coord_ids, norm, self.loss_weights[channel])
             (terms.backward * loss_scale).backward()
         stats["time_forward_backward"] += time.monotonic() - t0
         seen = {k: self.calls[k] - before[k] for k in self.calls}
@@ -253,7 +271,7 @@ class Learner:
         stats["tokens"] += inp.n_tokens
         stats["fill_sum"] += inp.n_tokens / self.packing_length
         for key, value in (("loss_total", terms.total), ("loss_ce", terms.ce), ("loss_bbox_smoothl1", terms.bbox_smoothl1),
-                           ("loss_bbox_ciou", terms.bbox_ciou)):
+                           ("loss_bbox_ciou", terms.bbox_ciou), ("loss_coord_ce", terms.coord_ce)):
             stats[key] += value * loss_scale
         self.totals["forwards"] += seen["forward"]
         return seen
@@ -282,6 +300,7 @@ class Learner:
             for name, value in counters.items():
                 stats[f"queue_{name}"] = value
         stats["time_step"] = time.monotonic() - t_step
+        self.train_seconds += stats["time_step"]
         facts.update({
             "global_step": self.step + 1,
             "stage2_ab/async/ver_current": self.ver,
@@ -294,9 +313,39 @@ class Learner:
         if record is not None:
             self.writer.write(record)
         self.step += 1
+        budget = self.cfg.training.max_train_seconds
+        if budget is not None:  # rank 0's clock decides for every rank (a tiny broadcast per step)
+            self.out_of_time = bool(self.dist.broadcast([int(self.train_seconds >= budget)],
+                                                        f"time-budget broadcast at step {self.step}")[0])
+        last = self.finished
+        if last and self.evals_configured:
+            self.push_final_weights()
         every = self.cfg.training.save_every_steps
-        if (every and self.step % every == 0) or self.step >= self.cfg.training.max_steps:
+        if (every and self.step % every == 0) or last:
             self.save()
+
+    @property
+    def finished(self) -> bool:
+        """``training.max_steps`` reached, or ``training.max_train_seconds`` spent (identical on every rank)."""
+        return self.step >= self.cfg.training.max_steps or self.out_of_time
+
+    @property
+    def evals_configured(self) -> bool:
+        """Same answer on every rank (the config's), so the collective in push_final_weights runs on all."""
+        return bool(self.cfg.data.val_jsonl)
+
+    def push_final_weights(self) -> None:
+        """Collective: push the weights of the last step unless the last push already has them, so the final
+        evaluation scores the trained model (and the final checkpoint's ver is the server's)."""
+        self.settle_sync("final evaluation")
+        if self.sync.last_sync_step == self.step:
+            return
+        facts: dict[str, Any] = {}
+        self._adopt(self.sync.run(self.model, self.step, self.ver), facts)
+
+    def final_eval(self) -> None:
+        """Rank 0, after the last step: evaluate the final weights (training is over; waiting costs no step)."""
+        self.evals.final(self.step, self.ver, deadline_s=self.cfg.rollout_matching.vllm.infer_timeout_s)
 
     def settle_sync(self, why: str) -> None:
         """overlap: wait for the push in flight (its deadline) and adopt its outcome on every rank (a collective);
@@ -370,7 +419,7 @@ class Learner:
         inputs = [self.inputs(a) for a in arrays]
         norm = self.global_normaliser(inputs)
         for i, (inp, item, meta) in enumerate(zip(inputs, items, metas)):
-            seen = self.forward_backward(inp, norm, stats, sync_grads=(i == self.ga - 1))
+            seen = self.forward_backward(inp, norm, stats, channel=decision.kind, sync_grads=(i == self.ga - 1))
             pack_ver = item.ver if item is not None else self.ver
             if item is not None:
                 self.queue.mark_trained(item)  # type: ignore[union-attr]
@@ -407,7 +456,7 @@ def run(cfg: Any, dist: Dist) -> int:
         if learner.queue is not None:
             learner.queue.start()
         if mode == "async":
-            while learner.step < cfg.training.max_steps:
+            while not learner.finished:
                 learner.async_step()
         else:
             from learner.modes import run_sync_mode
@@ -415,6 +464,7 @@ def run(cfg: Any, dist: Dist) -> int:
             run_sync_mode(learner, mode)
         if learner.queue is not None:
             learner.queue.check_conservation()
+        learner.final_eval()
     finally:
         learner.close()
     return 0

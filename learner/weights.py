@@ -89,6 +89,7 @@ class SyncResult:
     ver: int
     metrics: dict[str, float] = field(default_factory=dict)  # rank 0's timings; empty on other ranks
     finished: bool = True  # a push's outcome arrived at this boundary (overlap mode: not on most steps)
+    weights_step: int | None = None  # rank 0: optimizer steps behind the pushed weights (overlap: its snapshot's)
 
 
 class WeightSync:
@@ -199,16 +200,18 @@ class WeightSync:
         new_ver, ok = self.dist.broadcast([new_ver, ok], f"ver broadcast after the weight sync (step {step})")
         self.counts["sync/successes" if ok else "sync/failures"] += 1
         metrics["time/sync_total"] = time.monotonic() - t0
-        return SyncResult(ok=bool(ok), ver=new_ver, metrics=metrics)
+        return SyncResult(ok=bool(ok), ver=new_ver, metrics=metrics, weights_step=step)
 
     def _overlap_boundary(self, model: torch.nn.Module, step: int, ver: int, *, start: bool,
                           wait_s: float | None) -> SyncResult:
         """The overlap protocol at one boundary (module docstring); every rank, every step."""
         metrics: dict[str, float] = {}
         new_ver, outcome, started, deferred, in_flight = ver, 0, 0, 0, 0
+        weights_step = None
         if self.dist.is_main:
             done = self.pusher.wait(wait_s) if wait_s is not None else self.pusher.poll()
             if done is not None:
+                weights_step = done.started_step
                 outcome = 1 if done.ok else 2
                 new_ver = done.ver if done.ok else ver
                 metrics.update(done.metrics)
@@ -233,7 +236,7 @@ class WeightSync:
         if outcome:
             self.counts["sync/successes" if outcome == 1 else "sync/failures"] += 1
         metrics.update({"sync/in_flight": in_flight, "sync/started": started})
-        return SyncResult(ok=outcome == 1, ver=new_ver, metrics=metrics, finished=bool(outcome))
+        return SyncResult(ok=outcome == 1, ver=new_ver, metrics=metrics, finished=bool(outcome), weights_step=weights_step)
 
     def _push_all(self, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], step: int,
                   ver: int) -> tuple[int, int, dict[str, float]]:

@@ -133,6 +133,20 @@ def test_overlapping_gpu_sets_fail():
     assert "disjoint" in msg
 
 
+def test_overlapping_gpu_sets_load_only_when_sharing_is_asked_for(tmp_path):
+    from launcher.plan import PlanError, build_plan
+
+    shared = BASE + ["rollout_server.gpus=[0]", "learner.gpus=[0]"]
+    assert "share_gpus_with_server" in one_problem(shared, "learner.gpus")
+    cfg = load_config(None, shared + ["learner.share_gpus_with_server=true"])
+    assert cfg.learner.share_gpus_with_server is True
+    specs = {s.role: s for s in build_plan(cfg, "c.yaml", [], tmp_path)}
+    assert specs["server"].env["CUDA_VISIBLE_DEVICES"] == specs["learner"].env["CUDA_VISIBLE_DEVICES"] == "0"
+    with pytest.raises(PlanError, match="overlap"):  # the launcher's own check keeps refusing without the key
+        cfg.learner.share_gpus_with_server = False
+        build_plan(cfg, "c.yaml", [], tmp_path)
+
+
 def test_wrong_types_name_the_key_and_expected_type():
     msg = one_problem(BASE + ["training.lr=fast"], "training.lr")
     assert "expected float" in msg

@@ -21,12 +21,16 @@ REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 420
 
 
-def _config(tmp_path: Path, tiny_model_dir: Path, synth_data_dir: Path) -> tuple[Path, dict]:
+def _config(tmp_path: Path, model_dir: Path, data_dir: Path) -> tuple[Path, dict]:
+    """The demo config on ``model_dir`` (the warm-started test detector) and ``data_dir``, evaluated at both
+    ends, in the specified blocking sync mode (the demo itself runs overlap)."""
     cfg = yaml.safe_load((REPO / "configs/demo_cpu.yaml").read_text())
     http = free_port_block(1)
     zmq = free_port_block(4)
-    cfg["model"]["path"] = str(tiny_model_dir)
-    cfg["data"] = {"train_jsonl": str(synth_data_dir / "train.jsonl"), "val_jsonl": None}
+    cfg["model"]["path"] = str(model_dir)
+    cfg["data"].update(train_jsonl=str(data_dir / "train.jsonl"), val_jsonl=str(data_dir / "val.jsonl"))
+    cfg["training"]["eval_every_steps"] = 0
+    cfg["stage2_ab"]["channel_b"]["async"]["sync_mode"] = "blocking"
     cfg["training"].update(output_dir=str(tmp_path / "run"), max_steps=12, save_every_steps=0)
     cfg["rollout_matching"]["vllm"]["servers"] = [{"base_url": f"http://127.0.0.1:{http}"}]
     cfg["rollout_matching"]["decoding"]["max_new_tokens"] = 48
@@ -48,8 +52,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_path, tiny_model_dir, synth_data_dir):
-    path, cfg = _config(tmp_path, tiny_model_dir, synth_data_dir)
+def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_path, tiny_detector_dir,
+                                                                         detector_data_dir):
+    path, cfg = _config(tmp_path, tiny_detector_dir, detector_data_dir)
     run = Path(cfg["training"]["output_dir"])
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "--config", str(path)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -71,6 +76,7 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
             os.killpg(p["pid"], 0)
 
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r.get("record", "step") == "step"]  # evaluation records share the file
     steps = cfg["training"]["max_steps"]
     assert [r["step"] for r in recs] == list(range(steps)), "one metrics record per optimizer step"
     window = cfg["stage2_ab"]["channel_b"]["async"]["version_window"]
@@ -122,6 +128,14 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
     state = json.loads((run / "checkpoints" / str(steps) / "trainer_state.json").read_text())
     assert summary["ver_final"] == state["ver"] >= recs[-1][K + "ver_current"]
     assert summary["syncs"] == state["sync_counts"]["sync/successes"] == state["ver"]
+
+    # The warm-started detector was evaluated at the start (the first push) and on the final weights
+    # (pushed after the last step: the final checkpoint's ver), and the summary prints both.
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert [e["step"] for e in evals] == [0, steps], evals
+    assert evals[0]["eval/ver"] == 1 and evals[-1]["eval/ver"] == state["ver"]
+    assert all(e["eval/n_images"] == 16 and e["eval/parse_failure_rate"] < 0.5 for e in evals), evals
+    assert "val F1@0.5 / mAP" in out and summary["eval"]["last"]["step"] == steps
 
     # Every key the run emitted is documented in docs/metrics.md (per-rank keys as rank{r}).
     import re

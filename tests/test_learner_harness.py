@@ -158,8 +158,10 @@ def launch_learner(config: Path, log_path: Path, nproc: int, overrides: list[str
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """Rank 0's step records (evaluation records, ``"record": "eval"``, share the file and are left out)."""
     path = output_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r for r in recs if r.get("record", "step") == "step"]
 
 
 def read_traces(output_dir: Path, world_size: int) -> list[dict[str, Any]]:

@@ -1,12 +1,14 @@
-"""Rank 0's metric sinks: one JSONL record per optimizer step, and TensorBoard scalars when asked."""
+"""Rank 0's metric sinks: one JSONL record per optimizer step (evaluation records interleaved), TensorBoard
+scalars when asked, and which keys a step record holds."""
 
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
-from learner.metrics import MetricsWriter
+from learner.metrics import MetricsWriter, RankStats, step_record
 
 
 def records(n: int) -> list[dict]:
@@ -45,3 +47,63 @@ def test_non_main_ranks_write_nothing(tmp_path):
     w.write({"step": 0, "loss/total": 1.0})
     w.close()
     assert not (tmp_path / "r1").exists()
+
+
+def _rank(kind_b: bool, packs: int, **rollout: int) -> RankStats:
+    r = RankStats()
+    r["kind_b"], r["packs"], r["time_step"] = float(kind_b), float(packs), 1.0
+    for k, v in rollout.items():
+        r[f"rollout_{k}"] = v
+    return r
+
+
+def test_an_a_step_record_has_no_rollout_quality_keys():
+    rec = step_record(0, [_rank(False, 2), _rank(False, 2)], {}, 1024)
+    assert not [k for k in rec if k.startswith("rollout/")]  # absent, not the 1.0 that 0/0 would give
+
+
+def test_a_b_step_record_has_rollout_counts_and_ratios_from_the_summed_counts():
+    rec = step_record(1, [_rank(True, 2, n_pred=4, n_gt=2, n_matched=2, parse_truncated=1),
+                          _rank(True, 2, n_pred=0, n_gt=2, n_matched=0, invalid_rollout=1)], {}, 1024)
+    assert (rec["rollout/n_pred"], rec["rollout/n_gt"], rec["rollout/n_matched"]) == (4, 4, 2)
+    assert (rec["rollout/parse_truncated"], rec["rollout/invalid_rollout"]) == (1, 1)
+    assert (rec["rollout/precision"], rec["rollout/recall"], rec["rollout/f1"]) == (0.5, 0.5, 0.5)
+
+
+def test_a_b_step_whose_packs_held_no_boxes_keeps_its_counts_but_claims_no_f1():
+    rec = step_record(2, [_rank(True, 1, invalid_rollout=3)], {}, 1024)
+    assert (rec["rollout/n_pred"], rec["rollout/n_gt"], rec["rollout/invalid_rollout"]) == (0, 0, 3)
+    assert "rollout/f1" not in rec and "rollout/precision" not in rec
+
+
+def test_eval_records_from_another_thread_interleave_as_whole_lines(tmp_path):
+    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False, progress=False, start_step=0, max_steps=400)
+    pad = "x" * 4096  # lines longer than one write buffer, so a torn line would show
+
+    def evaluate() -> None:
+        for s in range(200):
+            w.write_eval({"step": s, "eval/f1": 0.5, "eval/score_source": "coord_logprob", "pad": pad})
+
+    t = threading.Thread(target=evaluate)
+    t.start()
+    for s in range(200):
+        w.write({"step": s, "loss/total": 1.0, "pad": pad})
+    t.join(timeout=60)
+    w.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 400
+    assert [r["step"] for r in lines if r.get("record") == "eval"] == list(range(200))
+    assert [r["step"] for r in lines if "record" not in r] == list(range(200))
+
+
+def test_eval_records_become_eval_scalars_at_their_step(tmp_path):
+    pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard; `pip install tensorboard`")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = MetricsWriter(tmp_path, enabled=True, tensorboard=True, progress=False, start_step=0, max_steps=4)
+    w.write_eval({"step": 30, "eval/f1": 0.58, "eval/map": None, "eval/score_source": "coord_logprob"})
+    w.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"eval/f1"}  # None and strings are not scalars
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/f1")] == [(30, 0.58)]

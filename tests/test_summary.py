@@ -78,3 +78,67 @@ def test_sync_stall_per_sync_and_its_share_of_training_time_blocking_and_overlap
     s = summarize(recs)
     assert (s["sync_mode"], s["sync_stall_median_s"], s["sync_stall_n"]) == ("overlap", 0.015, 2)
     assert "sync stall per sync    0.015 s  (overlap, median of 2 after the first;" in format_summary(s)
+
+
+def _write(run: Path, records: list[dict]) -> Path:
+    run.mkdir(exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def _eval(step: int, f1: float, map_: float, **kw) -> dict:
+    return {"record": "eval", "step": step, "eval/f1": f1, "eval/map": map_, "eval/parse_failure_rate": 0.0,
+            "eval/objects_per_image": 2.1, "eval/gt_per_image": 2.2, "eval/n_images": 12, **kw}
+
+
+def test_rollout_quality_is_aggregated_from_the_b_records_counts_not_averaged(tmp_path, capsys):
+    from launcher.summary import summarize
+
+    # Two B steps: one box matched of 1 / 1, then 0 of 9 predicted / 9 GT. Mean of step F1s = 0.5; counts: 0.1.
+    recs = [{"step": 0, K + "step_kind_b": 0, "loss/total": 1.0},
+            {"step": 1, K + "step_kind_b": 1, "rollout/n_matched": 1, "rollout/n_pred": 1, "rollout/n_gt": 1,
+             "rollout/precision": 1.0, "rollout/recall": 1.0, "rollout/f1": 1.0},
+            {"step": 2, K + "step_kind_b": 1, "rollout/n_matched": 0, "rollout/n_pred": 9, "rollout/n_gt": 9,
+             "rollout/precision": 0.0, "rollout/recall": 0.0, "rollout/f1": 0.0}]
+    s = summarize(recs)
+    assert (s["rollout_n_matched"], s["rollout_n_pred"], s["rollout_n_gt"]) == (1, 10, 10)
+    assert abs(s["rollout_f1"] - 0.1) < 1e-12 and abs(s["rollout_precision"] - 0.1) < 1e-12
+    line = "rollout P / R / F1     0.100 / 0.100 / 0.100  (B packs: 1 matched of 10 predicted, 10 GT)"
+    assert line in format_summary(s)
+
+    run = _write(tmp_path / "a_only", [{"step": i, K + "step_kind_b": 0, "loss/total": 1.0} for i in range(3)])
+    s = print_summary(run)
+    assert s["rollout_f1"] is None and json.loads((run / "summary.json").read_text())["rollout_f1"] is None
+    assert "rollout P / R / F1     n/a (no B rollouts)" in capsys.readouterr().out
+
+
+def test_eval_records_are_summarised_first_best_last_and_kept_out_of_the_step_records(tmp_path, capsys):
+    from launcher.summary import read_eval_records, read_metrics
+
+    steps = [{"step": i, K + "step_kind_b": 0, "loss/total": 1.0} for i in range(31)]
+    records = [_eval(0, 0.05, 0.01), *steps[:11], _eval(10, 0.62, 0.33), *steps[11:], _eval(30, 0.58, 0.31)]
+    run = _write(tmp_path / "run", records)
+    assert [r["step"] for r in read_metrics(run)] == list(range(31))  # existing callers see step records only
+    assert [r["step"] for r in read_eval_records(run)] == [0, 10, 30]
+
+    s = print_summary(run)
+    out = capsys.readouterr().out
+    assert s["steps"] == 31 and s["loss_last"] == 1.0
+    assert "val F1@0.5 / mAP       first 0.050 / 0.010 (step 0) → best 0.620 / 0.330 (step 10) → " \
+           "last 0.580 / 0.310 (step 30)" in out
+    assert "val parse fail / obj   0.00 / 2.1 per image (GT 2.2)" in out
+    saved = json.loads((run / "summary.json").read_text())["eval"]
+    assert (saved["n"], saved["best"]["step"], saved["last"]["map"], saved["first"]["n_images"]) == (3, 10, 0.31, 12)
+
+
+def test_a_run_without_eval_records_says_why(tmp_path, capsys):
+    steps = [{"step": i, K + "step_kind_b": 0, "loss/total": 1.0} for i in range(2)]
+    run = _write(tmp_path / "run", steps)
+    assert print_summary(run)["eval"] is None
+    assert "validation             no evaluation records" in capsys.readouterr().out
+    (run / "run_config.yaml").write_text("data:\n  train_jsonl: d/train.jsonl\n  val_jsonl: null\n")
+    print_summary(run)
+    assert "validation             no evaluation (data.val_jsonl unset)" in capsys.readouterr().out
+    (run / "run_config.yaml").write_text("data:\n  train_jsonl: d/train.jsonl\n  val_jsonl: d/val.jsonl\n")
+    print_summary(run)
+    assert "no evaluation records (data.val_jsonl = d/val.jsonl; did the run reach" in capsys.readouterr().out

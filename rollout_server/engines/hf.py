@@ -266,9 +266,14 @@ class HFGenerator:
         if cancel is not None and cancel.is_set():
             raise CancelledGeneration()
         new = seqs[:, width:].tolist()
+        logprobs = sampler.sampled_logprobs()  # one per step and row, or None
+        if logprobs is not None and len(logprobs[0]) != len(new[0]):
+            raise RuntimeError(f"the sampler ran {len(logprobs[0])} steps for {len(new[0])} generated tokens: "
+                               "transformers generate called its logits processors an unexpected number of times")
         return [
-            finish_row(self.tokenizer, r.input_ids, toks, self.stop_token_ids, sampling, self.pad_id)
-            for r, toks in zip(rows, new)
+            finish_row(self.tokenizer, r.input_ids, toks, self.stop_token_ids, sampling, self.pad_id,
+                       logprobs=None if logprobs is None else logprobs[i])
+            for i, (r, toks) in enumerate(zip(rows, new))
         ]
 
 

@@ -14,6 +14,11 @@ whole decision per row and returns scores whose argmax is the chosen token:
 
 Stop: the turn-end / eos ids (kept as the last token), ``stop`` strings (the text is cut before
 the string, the token that completed it is the last token), or ``max_tokens`` (``length``).
+
+Logprobs (``sampling.logprobs``): the sampler also records, each step, log_softmax of the scores it
+was handed (the model's raw logits: the clean generation config adds no processor before it) at the
+token it chose — vLLM's ``raw_logprobs``. They stay on the device until the batch ends (one
+transfer, not one sync per step); ``finish_row`` cuts them with the row's tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class VLLMSampler:
         self.s = sampling
         self.pads = list(pads)
         self.greedy = sampling.temperature < GREEDY_EPS
+        self.batch = batch
+        self._logprobs: list[torch.Tensor] | None = [] if sampling.logprobs else None  # one (batch,) per step
         self.generators: list[torch.Generator] = []
         if not self.greedy:
             for _ in range(batch):
@@ -52,6 +59,8 @@ class VLLMSampler:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logits = scores.float()
+        # Before the penalty, which edits `logits` (for float32 scores, `scores` itself) in place.
+        raw = logits.log_softmax(dim=-1) if self._logprobs is not None else None
         if self.s.repetition_penalty != 1.0:
             rp = self.s.repetition_penalty
             for i, pad in enumerate(self.pads):
@@ -77,9 +86,20 @@ class VLLMSampler:
             chosen = torch.stack([
                 torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(self.generators)
             ])
+        if raw is not None:
+            self._logprobs.append(raw.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(-1, chosen.unsqueeze(-1), 0.0)
         return out
+
+    def sampled_logprobs(self) -> list[list[float]] | None:
+        """Per row, the raw logprob of the token chosen at each step so far (rows finished early keep
+        entries for the padding steps; ``finish_row`` drops them); None when not requested."""
+        if self._logprobs is None:
+            return None
+        if not self._logprobs:
+            return [[] for _ in range(self.batch)]
+        return torch.stack(self._logprobs, dim=1).tolist()
 
 
 class StopOnStrings:
@@ -108,9 +128,20 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 def finish_row(
-    tokenizer: Any, prompt_ids: list[int], toks: list[int], stop_ids: Sequence[int], sampling: SamplingParams, pad_id: int
+    tokenizer: Any, prompt_ids: list[int], toks: list[int], stop_ids: Sequence[int], sampling: SamplingParams, pad_id: int,
+    logprobs: Sequence[float] | None = None,
 ) -> InferOutput:
-    """Cut one row's generated ids at its first stop (turn end, stop string) and name the reason."""
+    """Cut one row's generated ids at its first stop (turn end, stop string) and name the reason.
+
+    ``logprobs`` (one per entry of ``toks``, or None) is cut to the same length as the ids kept.
+    """
+    ids, text, reason = _cut(tokenizer, toks, stop_ids, sampling)
+    return InferOutput(token_ids=ids, text=text, finish_reason=reason, prompt_token_ids=prompt_ids,
+                       logprobs=None if logprobs is None else [float(x) for x in logprobs[: len(ids)]])
+
+
+def _cut(tokenizer: Any, toks: list[int], stop_ids: Sequence[int], sampling: SamplingParams
+         ) -> tuple[list[int], str, str]:
     stop_set = set(stop_ids)
     end = next((k for k, t in enumerate(toks) if t in stop_set), None)
     body = toks[:end] if end is not None else toks
@@ -120,10 +151,8 @@ def finish_row(
             text = _decode(tokenizer, body[: k + 1])
             hits = [text.find(s) for s in stops if s in text]
             if hits:
-                return InferOutput(token_ids=body[: k + 1], text=text[: min(hits)], finish_reason="stop",
-                                   prompt_token_ids=prompt_ids)
+                return body[: k + 1], text[: min(hits)], "stop"
     if end is not None:
-        return InferOutput(token_ids=toks[: end + 1], text=_decode(tokenizer, body), finish_reason="stop",
-                           prompt_token_ids=prompt_ids)
+        return toks[: end + 1], _decode(tokenizer, body), "stop"
     # No stop: the row ran to max_tokens (rows never end early without a stop).
-    return InferOutput(token_ids=toks, text=_decode(tokenizer, toks), finish_reason="length", prompt_token_ids=prompt_ids)
+    return toks, _decode(tokenizer, toks), "length"

@@ -9,7 +9,9 @@ Mapping onto vLLM:
 
 * ``start``: ``AsyncLLM.from_engine_args`` inside the app lifespan (AsyncLLM starts its output
   handler only under a running loop), workers spawned (CUDA cannot re-initialise in a fork),
-  ``logprobs_mode=processed_logprobs``, native weight transfer configured (``backend=nccl``).
+  ``logprobs_mode=raw_logprobs`` (vLLM's default, named so it does not drift: the logprobs /infer
+  returns are the raw model's, like the hf engine's, so a detection's score does not depend on the
+  temperature or penalty it was decoded with), native weight transfer configured (``backend=nccl``).
 * ``generate``: one ``AsyncLLM.generate`` per item (vLLM batches them continuously) with
   ``output_kind=FINAL_ONLY``; cancelling our task makes AsyncLLM abort the request. Chat prompts are
   rendered with the checkpoint's chat template and sent as text plus PIL images, so vLLM expands the
@@ -17,7 +19,8 @@ Mapping onto vLLM:
   form). A prompt vLLM refuses (too long, id outside the vocabulary) is an EngineInputError (400).
 * Sampling: every field passed explicitly, because vLLM's defaults differ from ours (``max_tokens``
   16): ``top_k <= 0`` becomes -1 (off in every supported release), stops are the chat template's
-  turn end and eos (kept as the last token, as the hf engine does) plus the request's strings.
+  turn end and eos (kept as the last token, as the hf engine does) plus the request's strings;
+  ``logprobs=True`` becomes ``logprobs=0`` (the sampled token only), read by :func:`sampled_logprobs`.
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
   cancelled every request when ``pause()`` runs ``pause_generation(mode="abort", clear_cache=True)``
   (never ``keep``: requests would straddle versions); ``resume()`` runs ``resume_generation``.
@@ -52,11 +55,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import math
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from common.protocol import InferItem, InferOutput, SamplingParams, SyncBucketHeader, SyncInitRequest, TensorSpec
@@ -78,6 +82,27 @@ WORKER_EXTENSION = "rollout_server.engines.vllm_fastload.TandemWorkerExtension"
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]] | None) -> list[float]:
+    """The sampled token's logprob at each position of a ``CompletionOutput``.
+
+    ``logprobs`` is vLLM's ``CompletionOutput.logprobs``: per generated token, a mapping token id ->
+    ``Logprob`` (``.logprob``, ``.rank``, ``.decoded_token``) that holds the sampled token (with
+    ``SamplingParams(logprobs=0)``, only it). A missing position, a missing token or a non-finite value
+    means the request did not ask for logprobs or vLLM broke its contract: RuntimeError naming it.
+    """
+    if logprobs is None or len(logprobs) != len(token_ids):
+        got = "no logprobs" if logprobs is None else f"{len(logprobs)} logprob entries"
+        raise RuntimeError(f"vLLM returned {got} for {len(token_ids)} generated tokens")
+    out = []
+    for k, (tok, entry) in enumerate(zip(token_ids, logprobs)):
+        lp = entry.get(tok) if entry is not None else None
+        value = float(lp.logprob) if lp is not None else math.nan
+        if not math.isfinite(value):
+            raise RuntimeError(f"vLLM returned logprob {value} for sampled token {tok} at position {k}")
+        out.append(value)
+    return out
 
 
 class VLLMEngine(Engine):
@@ -131,7 +156,7 @@ class VLLMEngine(Engine):
         args: dict[str, Any] = dict(
             model=self.model_path, dtype=self._dtype, tensor_parallel_size=srv.tensor_parallel_size,
             gpu_memory_utilization=srv.gpu_memory_utilization, enable_prefix_caching=srv.enable_prefix_caching,
-            logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": MAX_IMAGES_PER_PROMPT}, seed=0,
+            logprobs_mode="raw_logprobs", limit_mm_per_prompt={"image": MAX_IMAGES_PER_PROMPT}, seed=0,
             enforce_eager=srv.enforce_eager, load_format=srv.load_format,
             weight_transfer_config=WeightTransferConfig(backend="nccl"), worker_extension_cls=WORKER_EXTENSION,
         )
@@ -181,7 +206,8 @@ class VLLMEngine(Engine):
                    min_p=0.0, max_tokens=s.max_tokens, min_tokens=0, seed=s.seed, stop=list(s.stop),
                    stop_token_ids=self._stop_ids, ignore_eos=False, repetition_penalty=s.repetition_penalty,
                    presence_penalty=0.0, frequency_penalty=0.0, skip_special_tokens=False,
-                   spaces_between_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+                   spaces_between_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                   logprobs=0 if s.logprobs else None)
 
     def _prompt(self, item: InferItem, row: int) -> dict[str, Any]:
         from rollout_server.engines.hf_inputs import load_image
@@ -227,8 +253,10 @@ class VLLMEngine(Engine):
             raise RuntimeError("vLLM returned no output")
         c = final.outputs[0]
         reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        return InferOutput(id=item_id, token_ids=list(c.token_ids), text=c.text, finish_reason=reason,
-                           prompt_token_ids=list(final.prompt_token_ids or []))
+        token_ids = list(c.token_ids)
+        return InferOutput(id=item_id, token_ids=token_ids, text=c.text, finish_reason=reason,
+                           prompt_token_ids=list(final.prompt_token_ids or []),
+                           logprobs=sampled_logprobs(token_ids, c.logprobs) if sp.logprobs is not None else None)
 
     async def generate(self, items: Sequence[InferItem], sampling: SamplingParams) -> list[InferOutput]:
         sp = self._sampling(sampling)
@@ -465,4 +493,4 @@ class VLLMEngine(Engine):
                 "dtype": self._dtype, "weight_load": load}
 
 
-__all__ = ["VLLMEngine", "vllm_available", "INSTALL_FIX"]
+__all__ = ["VLLMEngine", "vllm_available", "sampled_logprobs", "INSTALL_FIX"]

@@ -1,0 +1,239 @@
+"""Stage-1 warm start: turn a model directory into one that emits ``<|coord_k|>`` boxes.
+
+    python -m learner.warm_start --config configs/warm_start_cpu.yaml --out artifacts/tiny-detector [--force] [key=value ...]
+
+Why it exists: Stage-2 (rollout matching) never puts cross-entropy on coord tokens; it assumes a
+Stage-1 checkpoint that already answers in the box format (origin semantics 4.2). A freshly built or
+freshly extended checkpoint (``tools/add_coord_tokens.py``) has never produced a coord token, so every
+rollout is unparseable and Channel-B has nothing to learn from. This command is that Stage-1:
+Channel-A steps only (``stage2_ab.schedule.b_ratio`` must be 0), with ``stage2_ab.coord_ce_weight > 0``
+adding a full-vocabulary CE on every coord slot to the usual CE + geometry loss (learner/loss.py).
+
+One process, no rollout server, no torchrun: the learner's own pieces (``ChannelAData`` windows,
+``pack_inputs``/``forward_rows``/``pack_loss``, AdamW + warmup-cosine) in a plain loop, so a
+2-core box uses both cores for one model instead of two gloo ranks for two copies.
+
+The result is an ordinary HF model directory (safetensors, config, the base directory's tokenizer,
+chat template and processor files), loadable by the hf and vLLM engines and by the learner as
+``model.path``. ``tandem_build.json`` in it records the build parameters (the base model's own build
+record or file stamps, the training data's manifest or stamp, the training/loss keys); a second run
+with the same parameters does nothing, so ``make demo`` pays for the warm start once.
+``warm_start_metrics.jsonl`` next to it has one line per logged step.
+
+What this module does not know: rollouts, versions, ranks, or evaluation (``python -m evaluator``
+scores the result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BUILDER_VERSION = 1
+BUILD_FILE = "tandem_build.json"
+METRICS_FILE = "warm_start_metrics.jsonl"
+
+log = logging.getLogger("learner.warm_start")
+
+
+def _file_stamp(path: Path) -> dict[str, Any]:
+    """Identity of a file we did not build: name, size and the sha256 of its first and last MiB."""
+    st = path.stat()
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        if st.st_size > 2 << 20:
+            f.seek(-(1 << 20), os.SEEK_END)
+            h.update(f.read())
+    return {"name": path.name, "size": st.st_size, "sha256_head_tail": h.hexdigest()}
+
+
+def _model_identity(model_dir: Path) -> Any:
+    """The base model's build record (tiny models, earlier warm starts) or the stamps of its weight files."""
+    try:
+        return json.loads((model_dir / BUILD_FILE).read_text())["params"]
+    except (OSError, ValueError, KeyError):
+        files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+        return [_file_stamp(p) for p in files]
+
+
+def _data_identity(train_jsonl: Path) -> Any:
+    """The synthetic set's manifest parameters, or a stamp of the JSONL itself."""
+    try:
+        return json.loads((train_jsonl.parent / "manifest.json").read_text())["params"]
+    except (OSError, ValueError, KeyError):
+        return _file_stamp(train_jsonl)
+
+
+def build_params(cfg: Any) -> dict[str, Any]:
+    """Everything the warm-started weights depend on; equal params = the same build."""
+    from common.config import to_dict
+
+    t, ab = cfg.training, cfg.stage2_ab
+    return {
+        "builder": "learner.warm_start",
+        "version": BUILDER_VERSION,
+        "base_model": _model_identity(Path(cfg.model.path)),
+        "data": _data_identity(Path(cfg.data.train_jsonl)),
+        "model": {"dtype": cfg.model.dtype, "attn_implementation": cfg.model.attn_implementation},
+        "training": {k: getattr(t, k) for k in (
+            "per_device_train_batch_size", "gradient_accumulation_steps", "effective_batch_size", "global_max_length",
+            "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm", "max_steps", "seed")},
+        "loss": {k: v for k, v in to_dict(ab).items() if k not in ("schedule", "channel_b")},
+    }
+
+
+def check_config(cfg: Any) -> list[str]:
+    """Problems that make a config unusable for a warm start (each with its fix)."""
+    problems = []
+    if cfg.stage2_ab.coord_ce_weight <= 0:
+        problems.append(f"stage2_ab.coord_ce_weight = {cfg.stage2_ab.coord_ce_weight}: a warm start must teach the "
+                        "coord tokens. Fix: set stage2_ab.coord_ce_weight: 1.0")
+    if cfg.stage2_ab.schedule.b_ratio != 0:
+        problems.append(f"stage2_ab.schedule.b_ratio = {cfg.stage2_ab.schedule.b_ratio}: the warm start runs Channel-A "
+                        "only (there is no rollout server). Fix: set stage2_ab.schedule.b_ratio: 0")
+    if not Path(cfg.data.train_jsonl).is_file():
+        problems.append(f"data.train_jsonl = {cfg.data.train_jsonl}: not a file. Fix: point it at a JSONL "
+                        "(make data builds the synthetic one)")
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        problems.append(f"model.path = {cfg.model.path}: no config.json there. Fix: point it at a model directory "
+                        "(make tiny-model builds the tiny one)")
+    return problems
+
+
+def is_built(out: Path, params: dict[str, Any]) -> bool:
+    try:
+        return json.loads((out / BUILD_FILE).read_text()).get("params") == params
+    except (OSError, ValueError):
+        return False
+
+
+def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
+    """Run ``training.max_steps`` Channel-A steps with coord CE and save the model into ``out_tmp``."""
+    import torch
+
+    from actor.encode import encoder_from_config
+    from learner.checkpoint import copy_model_side_files
+    from learner.data import ChannelAData
+    from learner.loss import LossWeights, Normaliser, pack_loss
+    from learner.model import build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, resolve_dtype
+
+    t, ab = cfg.training, cfg.stage2_ab
+    torch.manual_seed(t.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, _tokenizer, coord_ids = load_policy(cfg.model, device, t.gradient_checkpointing)
+    coord_ids_t = torch.tensor(coord_ids, device=device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    optimizer, scheduler = build_optimizer(model, t)
+    ga = cfg.derived.gradient_accumulation_steps
+    data = ChannelAData(cfg, encoder_from_config(cfg), rank=0, world_size=1, ga=ga)
+    weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature, ab.coord_ce_weight)
+    every = max(1, t.log_every_steps)
+    started = time.monotonic()
+    last: dict[str, float] = {}
+    with (out_tmp / METRICS_FILE).open("w", encoding="utf-8") as metrics:
+        for step in range(t.max_steps):
+            t0 = time.monotonic()
+            inputs = [pack_inputs(p.tensors(), cfg.model.attn_implementation, dtype, device) for p in data.next_window(0)]
+            norm = Normaliser(ce_tokens=sum(i.rows.n_ce for i in inputs), boxes=sum(i.rows.n_boxes for i in inputs))
+            sums = dict.fromkeys(("total", "ce", "bbox_smoothl1", "bbox_ciou", "coord_ce"), 0.0)
+            for inp in inputs:
+                terms = pack_loss(forward_rows(model, inp), inp.rows, coord_ids_t, norm, weights)
+                terms.backward.backward()
+                for k in sums:
+                    sums[k] += getattr(terms, k)
+            if not math.isfinite(sums["total"]):
+                raise FloatingPointError(f"warm start step {step}: loss {sums['total']} is not finite. Fix: lower "
+                                         f"training.lr (now {t.lr}) or raise training.warmup_steps")
+            grad_norm = clip_and_step(model, optimizer, scheduler, t.max_grad_norm)
+            last = {f"loss/{k}": v for k, v in sums.items()}
+            if step % every == 0 or step + 1 == t.max_steps:
+                rec = {"step": step + 1, **last, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
+                       "time/step": time.monotonic() - t0, "time/elapsed": time.monotonic() - started,
+                       "packing/tokens": sum(i.n_tokens for i in inputs)}
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                if t.progress:
+                    log.info("step %d/%d  loss %.3f (ce %.3f, coord ce %.3f, ciou %.3f)  %.0f s", step + 1, t.max_steps,
+                             sums["total"], sums["ce"], sums["coord_ce"], sums["bbox_ciou"], time.monotonic() - started)
+    model.eval()
+    model.save_pretrained(out_tmp)
+    copy_model_side_files(Path(cfg.model.path), out_tmp)
+    return {"steps": t.max_steps, "seconds": round(time.monotonic() - started, 1), "final": last,
+            "samples_drawn": data.counters["samples_drawn"], "too_long_dropped": data.counters["too_long_dropped"],
+            "record_errors": data.counters["record_errors"]}
+
+
+def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, bool]:
+    """The warm-started model at ``out`` (built unless it already holds this build); returns (path, built_now).
+
+    Builds into a private sibling folder and renames it into place, so a concurrent caller or a killed
+    build never leaves a half-written model; a folder this command did not write is never replaced.
+    """
+    out = Path(out)
+    params = build_params(cfg)
+    if not force and is_built(out, params):
+        return out, False
+    if out.resolve() == Path(cfg.model.path).resolve():
+        raise FileExistsError(f"--out {out} is model.path itself; write the warm start to a new directory")
+    if out.exists() and not (out / BUILD_FILE).is_file() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and was not written by learner.warm_start; pick another --out")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        result = train(cfg, tmp)
+        (tmp / BUILD_FILE).write_text(json.dumps({"params": params, "result": result}, indent=1) + "\n")  # last
+        if not force and is_built(out, params):  # a concurrent build finished first
+            return out, False
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m learner.warm_start", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML config (e.g. configs/warm_start_cpu.yaml)")
+    parser.add_argument("--out", required=True, help="directory of the warm-started model (created)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if --out holds this build")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=100")
+    args = parser.parse_args(argv)
+    from common.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides, world_size=1)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    if problems := check_config(cfg):
+        print(f"{len(problems)} problem(s) in {args.config} for a warm start:\n  - " + "\n  - ".join(problems),
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s warm_start %(levelname)s %(message)s")
+    try:
+        path, built = ensure_warm_start(cfg, args.out, force=args.force)
+    except FileExistsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    info = json.loads((path / BUILD_FILE).read_text())
+    result = info.get("result", {})
+    state = "built" if built else "up to date"
+    print(f"warm start: {path} ({state}; {result.get('steps')} steps in {result.get('seconds')} s, "
+          f"final loss {result.get('final', {}).get('loss/total', float('nan')):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
