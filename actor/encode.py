@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from common.assistant_json import DEFAULT_PROMPTS, Prompts, Record, build_messages
+from common.evaluation import rollout_item
 from common.protocol import InferItem
 from common.segment import IGNORE_INDEX, Segment
 from common.targets import TargetSpec
@@ -110,19 +111,9 @@ class Encoder:
         }
 
     def prompt_for_rollout(self, record: Record, image_paths: list[str], *, item_id: str | None = None) -> InferItem:
-        """The ``/infer`` item for ``record``: the same messages as :meth:`prompt`, images by path, in order."""
-        content_images = []
-        messages = []
-        for m in self.messages(record, image_paths):
-            parts = []
-            for part in m["content"]:
-                if part["type"] == "image":
-                    content_images.append(part["image"])
-                    parts.append({"type": "image"})
-                else:
-                    parts.append({"type": "text", "text": part["text"]})
-            messages.append({"role": m["role"], "content": parts})
-        return InferItem(id=item_id, messages=messages, images=content_images or None)
+        """The ``/infer`` item for ``record``: the same messages as :meth:`prompt`, images by path, in order
+        (``common.evaluation.rollout_item``, which the evaluator sends too)."""
+        return rollout_item(record, image_paths, item_id=item_id, prompts=self.prompts)
 
     def check_server_prompt(self, sample_id: str, server_ids: list[int] | np.ndarray, our_ids: np.ndarray) -> bool:
         """True if the server templated the prompt exactly as we did; a mismatch is counted and logged."""
