@@ -133,7 +133,7 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
     # (pushed after the last step: the final checkpoint's ver), and the summary prints both.
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert [e["step"] for e in evals] == [0, steps], evals
-    assert evals[0]["eval/ver"] == 1 and evals[-1]["eval/ver"] == state["ver"]
+    assert evals[0]["eval/ver_requested"] == 1 <= evals[0]["eval/ver"] and evals[-1]["eval/ver"] == state["ver"]
     assert all(e["eval/n_images"] == 16 and e["eval/parse_failure_rate"] < 0.5 for e in evals), evals
     assert "val F1@0.5 / mAP" in out and summary["eval"]["last"]["step"] == steps
 
