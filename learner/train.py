@@ -76,6 +76,7 @@ class Learner:
         self.ver = 0
         self.train_seconds = 0.0  # sum of time/step in this process (training.max_train_seconds)
         self.out_of_time = False
+        self._final_push_failed = False
         self.realized = RealizedRatio(REALIZED_WINDOW)
         self.recent_kinds: deque[bool] = deque(maxlen=REALIZED_WINDOW)  # checkpointed to restore ``realized``
         self.b_trained: set[str] = set()  # the B-sample ledger (shared with the ready queue in async mode)
@@ -341,10 +342,16 @@ class Learner:
         if self.sync.last_sync_step == self.step:
             return
         facts: dict[str, Any] = {}
-        self._adopt(self.sync.run(self.model, self.step, self.ver), facts)
+        result = self.sync.run(self.model, self.step, self.ver)
+        self._adopt(result, facts)
+        self._final_push_failed = not result.ok
 
     def final_eval(self) -> None:
         """Rank 0, after the last step: evaluate the final weights (training is over; waiting costs no step)."""
+        if self._final_push_failed and self.evals.enabled:
+            log.error("no final evaluation: the push of the final weights failed (see the sync error above), so "
+                      "the server does not hold them; evaluate the final checkpoint with python -m evaluator")
+            return
         self.evals.final(self.step, self.ver, deadline_s=self.cfg.rollout_matching.vllm.infer_timeout_s)
 
     def settle_sync(self, why: str) -> None:
