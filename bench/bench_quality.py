@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.summary import read_eval_records, read_metrics  # noqa: E402
+from launcher.summary import read_split  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
     "a_only": ["stage2_ab.schedule.b_ratio=0"],
@@ -59,7 +59,7 @@ def run_arm(name: str, args: argparse.Namespace, overrides: list[str]) -> dict[s
     with open(out / "launcher.out", "w") as log:
         proc = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                               timeout=args.budget_s * 3 + 300)
-    steps, evals = read_metrics(out), read_eval_records(out)
+    steps, evals = read_split(out)
     if proc.returncode != 0 or not steps:
         raise RuntimeError(f"arm {name} failed (exit {proc.returncode}, {len(steps)} step records); "
                            f"see {out / 'launcher.out'} and {out / 'logs'}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common.matching import precision_recall_f1
-from launcher.summary import K, read_eval_records, read_metrics
+from launcher.summary import K, read_split
 
 #: Panel titles the tests look for.
 ROLLOUT_TITLE = "rollout P/R/F1 of B steps"
@@ -40,7 +40,7 @@ def build_figure(run_dir: str | Path) -> Any:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    recs = read_metrics(run_dir)
+    recs, evals = read_split(run_dir)
     if not recs:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl has no records: nothing to plot")
     steps = [r.get("step", i) for i, r in enumerate(recs)]
@@ -97,7 +97,7 @@ def build_figure(run_dir: str | Path) -> Any:
     ax.set_title("learner utilisation"); ax.legend(); ax.set_xlabel("optimizer step")
 
     _rollout_panel(axes[3][0], recs)
-    _eval_panel(axes[3][1], read_eval_records(run_dir))
+    _eval_panel(axes[3][1], evals)
     fig.suptitle(f"tandem run: {run_dir}")
     return fig
 

@@ -41,6 +41,12 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def read_split(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(step records, evaluation records) from ONE read of ``metrics.jsonl`` (for callers that need both)."""
+    records = read_records(run_dir)
+    return [r for r in records if record_kind(r) == "step"], [r for r in records if record_kind(r) == "eval"]
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The step records (one per optimizer step); evaluation records are left out (:func:`read_eval_records`)."""
     return [r for r in read_records(run_dir) if record_kind(r) == "step"]
@@ -252,8 +258,8 @@ def _pct(x: float | None) -> str:
 
 
 def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> dict:
-    records = read_metrics(run_dir)
-    s = summarize(records, read_final_state(run_dir, records), read_eval_records(run_dir))
+    records, evals = read_split(run_dir)
+    s = summarize(records, read_final_state(run_dir, records), evals)
     if s.get("steps"):
         s["val_jsonl"] = _val_jsonl(run_dir)
     if wall_s is not None:

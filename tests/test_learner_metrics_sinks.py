@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -76,8 +77,33 @@ def test_a_b_step_whose_packs_held_no_boxes_keeps_its_counts_but_claims_no_f1():
     assert "rollout/f1" not in rec and "rollout/precision" not in rec
 
 
+class _OverlapDetectingFile:
+    """Wraps the JSONL file: each write holds the file for a moment and notes any write that entered meanwhile.
+
+    CPython's buffered writes rarely tear on their own, so without this the test could pass with the
+    writer's lock removed; with it, two threads writing at once are caught every time."""
+
+    def __init__(self, f) -> None:
+        self.f, self.inside, self.overlaps = f, 0, 0
+        self._count = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._count:
+            self.inside += 1
+            self.overlaps += self.inside > 1
+        time.sleep(0.0005)
+        n = self.f.write(text)
+        with self._count:
+            self.inside -= 1
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 def test_eval_records_from_another_thread_interleave_as_whole_lines(tmp_path):
     w = MetricsWriter(tmp_path, enabled=True, tensorboard=False, progress=False, start_step=0, max_steps=400)
+    w._jsonl = probe = _OverlapDetectingFile(w._jsonl)
     pad = "x" * 4096  # lines longer than one write buffer, so a torn line would show
 
     def evaluate() -> None:
@@ -89,7 +115,9 @@ def test_eval_records_from_another_thread_interleave_as_whole_lines(tmp_path):
     for s in range(200):
         w.write({"step": s, "loss/total": 1.0, "pad": pad})
     t.join(timeout=60)
+    assert not t.is_alive(), "the evaluation thread did not finish within 60 s"
     w.close()
+    assert probe.overlaps == 0, f"{probe.overlaps} writes entered the file while another was in progress"
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 400
     assert [r["step"] for r in lines if r.get("record") == "eval"] == list(range(200))
