@@ -79,8 +79,11 @@ def build_figure(run_dir: str | Path) -> Any:
 
     ax = axes[1][1]
     ax.plot(steps, series(K + "ver_current"), label="ver_current")
-    ax.plot(steps, series(K + "ver_lag_mean"), label="ver lag mean (B)")
-    ax.plot(steps, series(K + "ver_lag_max"), "--", label="ver lag max (B)")
+    # ver lag is a property of trained B packs: A steps have none (plotting them as 0 would claim a lag).
+    b_steps = [s for s, r in zip(steps, recs) if r.get(K + "step_kind_b")]
+    b_recs = [r for r in recs if r.get(K + "step_kind_b")]
+    ax.plot(b_steps, [float(r.get(K + "ver_lag_mean", 0.0)) for r in b_recs], ".", label="ver lag mean (B steps)")
+    ax.plot(b_steps, [float(r.get(K + "ver_lag_max", 0.0)) for r in b_recs], "x", label="ver lag max (B steps)")
     ax.set_title("versions"); ax.legend(); ax.set_xlabel("optimizer step")
 
     ax = axes[2][0]
