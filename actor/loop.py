@@ -55,7 +55,8 @@ from typing import Any
 from actor.client import RolloutRequestError, RolloutUnavailable
 from actor.credits import CreditGate
 from actor.pipeline import BatchMetrics, Pipeline, Sample
-from actor.stream import PackLedger, SampleStream, read_b_ledger, resolve_resume_checkpoint
+from actor.stream import PackLedger, SampleStream
+from common.checkpoints import read_b_ledger, resolve_resume_checkpoint
 from common.packing import Packer
 from common.segment import Pack, Segment
 from common.transport import CreditSubscriber, PackSender, TransportTimeout, credit_endpoint, pack_endpoint
@@ -79,7 +80,7 @@ class ActorLoop:
         self.actor_id = f"actor-r{rank}-{index}"
         a = cfg.actor
         if encoder is None:
-            from actor.encode import encoder_from_config
+            from common.tensors.encode import encoder_from_config
 
             encoder = encoder_from_config(cfg)
         if client is None:

@@ -11,7 +11,7 @@ independent of the learner's Channel-A sampler (which uses its own seed path).
 
 Keys: every item carries ``key = "<sample_id>@<epoch>"``. The key is the Channel-B segment's
 ``sample_id``, so it is what the learner writes to its checkpoint's B ledger
-(``{output_dir}/checkpoints/<step>/b_ledger.json`` = ``{"rank": r, "trained_ids": [key, ...]}``).
+(``common/checkpoints.py`` names the file and reads it back).
 On resume the stream walks its deterministic order from the start and skips exactly the keys in
 that ledger: nothing trained is trained again, and anything produced but not trained (still
 queued, dropped stale, lost with the learner) is produced again.
@@ -111,48 +111,6 @@ class SampleStream:
 
 
 # --------------------------------------------------------------------------------------------- ledgers
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """``{output_dir}/checkpoints/<step>`` with the largest integer step, or None."""
-    root = Path(output_dir) / "checkpoints"
-    steps = [p for p in root.glob("*") if p.is_dir() and p.name.isdigit()] if root.is_dir() else []
-    return max(steps, key=lambda p: int(p.name)) if steps else None
-
-
-def resolve_resume_checkpoint(resume: str | None, output_dir: str | Path) -> Path | None:
-    """``training.resume`` -> the checkpoint directory to read (None = fresh start)."""
-    if not resume:
-        return None
-    if resume == "auto":
-        return latest_checkpoint(output_dir)
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"training.resume={resume!r} is not a checkpoint directory; use auto or a path "
-                                f"such as {Path(output_dir) / 'checkpoints' / '<step>'}")
-    return path
-
-
-def read_b_ledger(checkpoint_dir: str | Path | None, rank: int) -> set[str]:
-    """Keys learner rank ``rank`` trained before ``checkpoint_dir`` was written (empty set if none).
-
-    Accepts ``b_ledger.json`` holding ``{"rank": r, "trained_ids": [...]}`` or a list of such maps
-    (one per rank), and per-rank files ``b_ledger_rank<r>.json`` of the same shape.
-    """
-    if checkpoint_dir is None:
-        return set()
-    keys: set[str] = set()
-    found = False
-    for path in sorted(Path(checkpoint_dir).glob("b_ledger*.json")):
-        found = True
-        data = json.loads(path.read_text(encoding="utf-8"))
-        entries = data if isinstance(data, list) else [data]
-        for entry in entries:
-            if isinstance(entry, dict) and int(entry.get("rank", -1)) == rank:
-                keys.update(str(k) for k in entry.get("trained_ids", []))
-    if not found:
-        log.warning("resume from %s: no b_ledger*.json there; the B stream restarts from its beginning", checkpoint_dir)
-    return keys
 
 
 class PackLedger:

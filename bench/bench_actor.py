@@ -74,7 +74,7 @@ def synthetic_responses(pipeline, samples, seed: int = 0) -> list[list[int]]:
 
 
 def bench_pipeline(cfg, n_samples: int, target: str) -> dict:
-    from actor.encode import encoder_from_config
+    from common.tensors.encode import encoder_from_config
     from actor.pipeline import Pipeline, Rollout
     from actor.stream import SampleStream
     from common.packing import Packer

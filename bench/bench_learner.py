@@ -135,7 +135,7 @@ def main() -> int:
 
     from common.config import load_config
     from learner.distributed import Dist
-    from learner.queue import ReadyQueue
+    from learner.pack_queue import ReadyQueue
     from learner.train import Learner
     from common.synthetic import ensure_synthetic_data
     from tools.make_tiny_model import ensure_tiny_model
@@ -156,7 +156,7 @@ def main() -> int:
     ]
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", overrides, world_size=1)
     if not args.server:
-        logging.getLogger("learner.weights").setLevel(logging.CRITICAL)  # the one start-up sync fails by design
+        logging.getLogger("learner.sync.boundary").setLevel(logging.CRITICAL)  # the one start-up sync fails by design
     dist = Dist("gloo")
     learner = Learner(cfg, dist)
     a = cfg.stage2_ab.channel_b.async_

@@ -7,7 +7,7 @@ What is measured, against one ``python -m rollout_server`` process (hf engine, t
     per item; sampling at temperature 1 (seeded) with ``max_tokens`` fixed, so nearly every item
     generates the full budget. Reported per shape: requests/s, items/s, generated tokens/s and the
     median request latency, each the median over ``--repeats`` rounds.
-  - weight sync: ``WeightSyncClient.push`` of the model's full weights (fp32, tied embedding once)
+  - weight sync: ``HttpWeightSender.push`` of the model's full weights (fp32, tied embedding once)
     through the fence with HTTP safetensors buckets, at two bucket sizes; median total / fence /
     wire / commit seconds over ``--repeats`` pushes, while the server is idle.
 
@@ -106,11 +106,11 @@ def sync_times(url: str, model_dir: Path, bucket_mb: float, repeats: int) -> dic
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from rollout_server.sync_client import WeightSyncClient
+    from learner.sync.http import HttpWeightSender
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     reports = []
-    with WeightSyncClient(url, timeout_s=300) as client:
+    with HttpWeightSender(url, timeout_s=300) as client:
         for _ in range(repeats):
             reports.append(client.push(model.named_parameters(), bucket_bytes=int(bucket_mb * 2**20), fence="drain"))
     med = {k: statistics.median(getattr(r, k) for r in reports) for k in ("total_s", "fence_s", "wire_s", "commit_s")}

@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from common.config import load_config
     from learner.distributed import Dist
-    from learner.queue import ReadyQueue
+    from learner.pack_queue import ReadyQueue
     from learner.train import Learner
 
     cfg = load_config(args.config, [], world_size=int(os.environ.get("WORLD_SIZE", "1")))

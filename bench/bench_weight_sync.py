@@ -401,7 +401,7 @@ def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str, mode
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from learner.nccl_sync import NcclWeightSender
+    from learner.sync.nccl import NcclWeightSender
 
     modes = modes or ["native"]
     torch.cuda.set_device(0)
@@ -463,7 +463,7 @@ def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from rollout_server import weights as W
+    from common.tensors import weights as W
     from tests.ports import free_port_block
 
     modes, server_gpus, tp, learner_gpu = args.modes, args.server_gpu_list, args.tp, args.learner_gpu

@@ -57,7 +57,7 @@ def rollout_item(record: Record, image_paths: Sequence[str], *, item_id: str | N
                  prompts: Prompts = DEFAULT_PROMPTS) -> InferItem:
     """The ``/infer`` item for ``record``: the training prompt with images as slots, paths in order.
 
-    ``actor/encode.py:Encoder.prompt_for_rollout`` delegates here, so Channel-B and evaluation send one form.
+    ``common/tensors/encode.py:Encoder.prompt_for_rollout`` delegates here, so Channel-B and evaluation send one form.
     """
     messages, images = [], []
     for m in build_messages(record, list(image_paths), prompts=prompts):

@@ -3,7 +3,7 @@
 Kept in their own module so ``common/protocol.py`` stays readable; :mod:`common.protocol`
 re-exports every name here, and that is where callers import them from (one contract, one place).
 The state machine they drive is :class:`SyncState`; the server side is ``rollout_server/sync.py``,
-the clients ``rollout_server/sync_client.py`` (HTTP) and ``learner/nccl_sync.py`` (collective).
+the clients ``learner/sync/http.py`` (HTTP) and ``learner/sync/nccl.py`` (collective).
 
 What this module does not know: sockets, engines, torch. It imports pydantic only.
 """
@@ -294,7 +294,7 @@ class SyncAbortResponse(_Message):
 class SyncDigestResponse(_Message):
     """Reply to ``GET /sync/digest`` (bearer token like every ``/sync/*``; 409 while a session is open).
 
-    One exact digest (``rollout_server.weights.exact_digest``: every element, not a sample) per
+    One exact digest (``common.tensors.weights.exact_digest``: every element, not a sample) per
     engine worker holding weights; equal digests mean bit-identical weights across workers, or
     between two weight-load paths, or with the tensors the learner pushed (cast to the serving dtype).
 

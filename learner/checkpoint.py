@@ -11,7 +11,7 @@ Layout (``{training.output_dir}/checkpoints/<global_step>/``; single node: every
     rank<r>.json               rank r: Channel-A sampler position + carry, queue counters, forward counts
     rng_rank<r>.pt             rank r: python, numpy, torch (and CUDA) RNG states
     b_ledger_rank<r>.json      rank r: {"rank": r, "trained_ids": [B sample ids trained so far]}
-                               read by the learner (duplicate guard) and the actor (actor/stream.py
+                               read by the learner (duplicate guard) and the actor (common/checkpoints.py
                                read_b_ledger: its stream skips these keys on resume)
 
 Write protocol: every rank writes into ``checkpoints/.tmp-<step>``; barrier; rank 0 renames it to
@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.checkpoints import checkpoints_root, read_b_ledger, write_b_ledger
 from learner.distributed import Dist
-from learner.weights import unwrap
+from learner.sync.boundary import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,6 @@ def copy_model_side_files(src: Path, dst: Path) -> None:
     for f in Path(src).iterdir():
         if f.is_file() and f.name not in _MODEL_SIDE_FILES and not (dst / f.name).exists():
             shutil.copy2(f, dst / f.name)
-
-
-def checkpoints_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
 
 
 def rng_state() -> dict[str, Any]:
@@ -95,7 +92,7 @@ def save(
     dist.barrier(f"checkpoint {step}: directory created")
     r = dist.rank
     (tmp / f"rank{r}.json").write_text(json.dumps(rank_state, indent=1))
-    (tmp / f"b_ledger_rank{r}.json").write_text(json.dumps({"rank": r, "trained_ids": sorted(trained_ids)}))
+    write_b_ledger(tmp, r, trained_ids)
     torch.save(rng_state(), tmp / f"rng_rank{r}.pt")
     if dist.is_main:
         hf = unwrap(model)
@@ -135,5 +132,4 @@ def load(
     r = dist.rank
     rank_state = json.loads((ckpt / f"rank{r}.json").read_text())
     set_rng_state(torch.load(ckpt / f"rng_rank{r}.pt", weights_only=False))  # our own file, written by save()
-    ledger = json.loads((ckpt / f"b_ledger_rank{r}.json").read_text())
-    return state, rank_state, set(ledger["trained_ids"])
+    return state, rank_state, read_b_ledger(ckpt, r)

@@ -3,7 +3,7 @@
 ::
 
     train JSONL ─► DistributedSampler(rank, world, shuffle, seed, drop_last) ─► record index
-        ─► canonical GT ─► common.targets.channel_a_target ─► actor.encode.Encoder ─► Segment (channel A)
+        ─► canonical GT ─► common.targets.channel_a_target ─► common.tensors.encode.Encoder ─► Segment (channel A)
         ─► window_packs(carry + this window's segments, GA, packing_length) ─► GA Packs, leftover carry
 
 Each A step draws ``per_device_train_batch_size × GA`` samples minus what the carry already holds

@@ -19,8 +19,8 @@ happen only on a ver change (the same thread, before the decision) and a drop-ol
 adds a pack for the one it removes; ``reserve`` still checks and raises if it ever did.
 
 A B step may mix packs of different vers, each within the version window: feasibility is "GA
-eligible packs", not "GA packs of one ver" (origin hazard 5: with frequent syncs the single-ver
-rule starves B). Each pack stays version-pure.
+eligible packs", not "GA packs of one ver": with frequent syncs few queued packs share one ver, so the
+single-ver rule would starve B. Each pack stays version-pure.
 
 What this module does not know: models, sockets, or how packs are trained.
 """
@@ -34,7 +34,7 @@ from typing import Protocol
 
 from common.schedule import wants_b
 from learner.distributed import Dist
-from learner.queue import ReadyPack
+from learner.pack_queue import ReadyPack
 
 
 class _Queue(Protocol):

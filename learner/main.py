@@ -18,11 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script (torchrun learner/main.py): import from the repo root, and
-    # NOTE: drop learner/ itself from sys.path, or learner/queue.py would shadow the stdlib's queue.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(_here.parent))
+if __package__ in (None, ""):  # run as a script (torchrun learner/main.py): import from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 USAGE = __doc__.split("\n\n")[1]
 

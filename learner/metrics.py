@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.matching import precision_recall_f1
-from learner.queue import COUNTER_NAMES
+from learner.pack_queue import COUNTER_NAMES
 
 log = logging.getLogger(__name__)
 

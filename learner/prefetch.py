@@ -12,7 +12,7 @@ One thread per rank (``channel-a-prefetch-r<rank>``) owns this rank's :class:`~l
             retags the window's segments with ver,
             adopts the window's sampler state as
             "consumed", empties the slot ────────────►  build window 1 while the step trains ...
-    B step: takes nothing; the ready window waits (the sampler does not advance: origin hazard 6)
+    B step: takes nothing; the ready window waits (the sampler does not advance: no A data is skipped)
     save:   state_dict() = the state right after the last window TAKEN, never the one in the slot
     close:  stop flag, then join with a deadline (a window in progress is finished, not abandoned)
 

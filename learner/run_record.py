@@ -95,7 +95,7 @@ def resume_step(resume: str | None, output_dir: str | Path) -> int | None:
     Uses the learner's own checkpoint discovery, so ``auto`` with no checkpoint is a fresh start here too;
     a path that is not a checkpoint raises FileNotFoundError, as the learner's start would.
     """
-    from actor.stream import resolve_resume_checkpoint
+    from common.checkpoints import resolve_resume_checkpoint
 
     ckpt = resolve_resume_checkpoint(resume, output_dir)
     if ckpt is None:

@@ -3,7 +3,7 @@
 One optimizer step, every rank in lockstep; what each wait is unblocked by::
 
     ┌─ boundary before step s ──────────────────────────────────────────────────────────────────┐
-    │ sync (learner/weights.py; the first boundary of the process is always a blocking sync):     │
+    │ sync (learner/sync/boundary.py; the first boundary of the process is always a blocking sync):     │
     │   blocking, when due: barrier ─► rank 0 pushes ─► barrier ─► broadcast [ver, ok]             │
     │     (unblocked by rank 0's push returning: success, error or sync.timeout_s)                 │
     │   overlap, every step: rank 0 collects a finished push, snapshots + starts one when due      │
@@ -25,7 +25,7 @@ One optimizer step, every rank in lockstep; what each wait is unblocked by::
     the Channel-A prefetch thread builds the next A window (at most one ahead; learner/prefetch.py).
     Nothing in the loop waits on an actor: an empty queue makes an A step.
 
-On B steps the Channel-A sampler does not advance (origin hazard 6: no silently discarded A data):
+On B steps the Channel-A sampler does not advance (advancing it would silently discard A data):
 the prefetched window waits, and checkpoints store the sampler state of the windows taken.
 
 What this module does not know: sockets beyond constructing them, or how actors produce packs.
@@ -55,8 +55,8 @@ from learner.loss import LossWeights, Normaliser, pack_loss
 from learner.metrics import MetricsWriter, RankStats, gather_stats_record
 from learner.model import PackInputs, build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, resolve_dtype
 from learner.prefetch import AWindow, ChannelAPrefetcher
-from learner.queue import ReadyQueue
-from learner.weights import WeightSync
+from learner.pack_queue import ReadyQueue
+from learner.sync.boundary import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Learner:
                 f"pushes: every blocking sync, and in overlap mode the start-up sync and a checkpoint's wait for "
                 f"the push in flight). Fix: raise learner.collective_timeout_s above {sync_t}"
             ])
-        from actor.stream import resolve_resume_checkpoint
+        from common.checkpoints import resolve_resume_checkpoint
 
         torch.manual_seed(cfg.training.seed)
         self.resume_from = resolve_resume_checkpoint(cfg.training.resume, self.out)
@@ -148,7 +148,7 @@ class Learner:
                              find_unused_parameters=False, **{no_sync: False})
         else:
             self.model = model
-        from actor.encode import encoder_from_config
+        from common.tensors.encode import encoder_from_config
 
         self.encoder = encoder_from_config(cfg)  # the training thread's (one-process modes' B pipeline, bench)
         # Channel-A gets its own Encoder: its prefetch thread runs it, and an Encoder is not thread-safe.
@@ -197,7 +197,7 @@ class Learner:
     # -- one optimizer step's pieces ------------------------------------------------------------
 
     def maybe_sync(self, facts: dict[str, Any], stats: RankStats) -> None:
-        """The step boundary's weight sync (learner/weights.py, either mode); every rank adopts rank 0's ver.
+        """The step boundary's weight sync (learner/sync/boundary.py, either mode); every rank adopts rank 0's ver.
 
         ``time/sync_stall`` is what the training thread spent here: blocking, the barrier-to-barrier
         push on sync steps; overlap, the snapshot (rank 0) and the state broadcast on every step.

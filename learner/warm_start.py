@@ -121,7 +121,7 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
     """Run ``training.max_steps`` Channel-A steps with coord CE and save the model into ``out_tmp``."""
     import torch
 
-    from actor.encode import encoder_from_config
+    from common.tensors.encode import encoder_from_config
     from learner.checkpoint import copy_model_side_files
     from learner.data import ChannelAData
     from learner.loss import LossWeights, Normaliser, pack_loss

@@ -52,7 +52,7 @@ from common.protocol import (
     SyncInitResponse,
     SyncState,
 )
-from rollout_server import weights as W
+from common.tensors import weights as W
 from rollout_server.engines.base import Engine, WeightUpdateError
 from rollout_server.errors import ApiError
 
@@ -306,7 +306,7 @@ class SyncController:
                 except TimeoutError:
                     raise ApiError(504, "sync_timeout", f"learner rank 0 did not join the weight-transfer group at "
                                    f"{req.master_addr}:{req.master_port} within {req.timeout_s:.0f}s",
-                                   hint="the learner joins while its /sync/init is in flight (learner/nccl_sync.py)") from None
+                                   hint="the learner joins while its /sync/init is in flight (learner/sync/nccl.py)") from None
                 except Exception as exc:  # noqa: BLE001 - reported to the learner, no session opened
                     raise ApiError(500, "engine_error", f"joining the weight-transfer group at {req.master_addr}:"
                                    f"{req.master_port} failed: {type(exc).__name__}: {exc}") from None

@@ -1,7 +1,7 @@
 """Per-rank rollout: the rank's shard × the decode grid × samples, parsed into candidates.
 
 Every rank loads the whole judge model (Stage-B is data-parallel over tickets) and generates
-in-process through the ``hf`` engine's synchronous generator (``rollout_server.engines.hf``), the
+in-process through the ``hf`` engine's synchronous generator (``common.tensors.generate``), the
 same code the rollout server runs, so a prompt is templated and decoded the same way in both::
 
     shard tickets ──rollout_messages(summaries, batch snapshot)──► prompts
@@ -77,7 +77,7 @@ def build_generator(sampler: SamplerConfig, model_cfg: StageBModelConfig, placem
 
         log.warning("sampler.backend=scripted: answers come from a rule-based peer, not a model (tests only)")
         return ScriptedGenerator(sampler.scripted)
-    from rollout_server.engines.hf import HFGenerator
+    from common.tensors.generate import HFGenerator
 
     model, tokenizer = load_judge(model_cfg, placement)
     return HFGenerator(model, tokenizer, placement.device, max_batch=sampler.generate_batch_size)

@@ -1,6 +1,6 @@
 """A learner rank as the actors see it on the wire, for tests: PULL + PUB bound, credits, slow consumption.
 
-It is a test double of ``learner/queue.py``'s network side only: it decodes every message with the
+It is a test double of ``learner/pack_queue.py``'s network side only: it decodes every message with the
 real codec (malformed ones are counted), keeps received packs in a list it consumes one at a time
 every ``consume_every_s``, and publishes credits with per-actor counts (``ActorTally``) every 0.1 s.
 Optionally it dies and comes back once (``restart_after`` packs), then sends ``garbage`` multipart

@@ -50,7 +50,7 @@ class ScriptedClient:
 
 @pytest.fixture(scope="module")
 def encoder(tiny_model_dir, synth_data_dir):
-    from actor.encode import Encoder
+    from common.tensors.encode import Encoder
 
     return Encoder(tiny_model_dir, 1024, image_root=str(synth_data_dir))
 

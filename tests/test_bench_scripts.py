@@ -197,8 +197,8 @@ def test_digest_route_errors_and_ver_mismatches_are_reported_not_raised():
 
 def test_server_log_lines_and_fast_effectiveness():
     text = "\n".join([
-        "2026 INFO [rollout_server 1] rollout_server.engines.vllm: fast update: 680 tensors, 2.05 GB, 4 chunks: ...",
-        "2026 INFO [rollout_server 1] rollout_server.engines.vllm: nccl update: 680 tensors, 2.05 GB: ...",
+        "2026 INFO [rollout_server 1] rollout_server.engines.vllm.engine: fast update: 680 tensors, 2.05 GB, 4 chunks: ...",
+        "2026 INFO [rollout_server 1] rollout_server.engines.vllm.engine: nccl update: 680 tensors, 2.05 GB: ...",
         "2026 INFO [rollout_server 1] uvicorn: GET /health 200",
     ])
     lines = b.server_log_lines(text)

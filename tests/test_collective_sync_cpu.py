@@ -1,6 +1,6 @@
 """The collective weight-sync path (transport ``nccl``) end to end on CPU: gloo stands in for NCCL.
 
-Learner side: ``learner.nccl_sync.NcclWeightSender`` with the weights on CPU (so its group is gloo).
+Learner side: ``learner.sync.nccl.NcclWeightSender`` with the weights on CPU (so its group is gloo).
 Server side: a real ``python -m rollout_server`` process with the hf engine on CPU, which joins the
 group with gloo. Everything between them is what the GPU run uses: ``/sync/init`` with a rendezvous,
 the group kept across pushes, ``/sync/begin``, ONE ``/sync/update`` while rank 0 broadcasts packed
@@ -14,8 +14,8 @@ import httpx
 import torch
 
 from common.protocol import InferItem, InferResponse, SamplingParams
-from learner.nccl_sync import NcclWeightSender
-from rollout_server import weights as W
+from learner.sync.nccl import NcclWeightSender
+from common.tensors import weights as W
 from tests.server_proc import rollout_server_process
 from tests.test_fence import version_weights
 
@@ -36,7 +36,7 @@ def assert_served_greedy_is_the_learners(url: str, gen, ver: int) -> None:
 def test_collective_push_over_gloo_lands_every_weight_and_reuses_the_group(tiny_model_dir):
     from transformers import AutoModelForImageTextToText
 
-    from rollout_server.engines.hf import HFGenerator, load_processor
+    from common.tensors.generate import HFGenerator, load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     gen = HFGenerator(model, load_processor(str(tiny_model_dir)), device="cpu", max_batch=2)

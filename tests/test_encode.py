@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from actor.encode import Encoder
+from common.tensors.encode import Encoder
 from common.assistant_json import IM_END, build_messages, canonical_order, iter_jsonl, serialize_objects
 from common.matching import hungarian_match
 from common.parsing import parse_rollout
@@ -127,7 +127,7 @@ def test_position_ids_equal_the_models_own_rope_index_for_the_segment(encoder, r
 def test_a_segment_longer_than_packing_length_is_dropped_counted_and_logged_with_the_fix(tiny_model_dir, synth_data_dir,
                                                                                       records, caplog):
     short = Encoder(tiny_model_dir, packing_length=64, image_root=str(synth_data_dir))
-    with caplog.at_level(logging.WARNING, logger="actor.encode"):
+    with caplog.at_level(logging.WARNING, logger="common.tensors.encode"):
         segment, _ = encode_a(short, records[0])
         segment2, _ = encode_a(short, records[1])
     assert segment is None and segment2 is None

@@ -136,7 +136,7 @@ def test_bad_lines_and_missing_images_are_skipped_and_named(tmp_path, synth_data
 
 
 def test_the_eval_prompt_is_the_actors_rollout_prompt(tiny_model_dir, val):
-    from actor.encode import Encoder
+    from common.tensors.encode import Encoder
 
     enc = Encoder(tiny_model_dir, 4096, image_root=val.image_root)
     rec = val.records[0]

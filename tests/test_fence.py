@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from common.protocol import InferItem, InferResponse, SamplingParams
-from rollout_server import weights as W
-from rollout_server.sync_client import SyncError, WeightSyncClient
+from common.tensors import weights as W
+from learner.sync import SyncError, cast_stream, plan
+from learner.sync.http import HttpWeightSender
 from tests.server_proc import REPO, rollout_server_process
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ class Versions:
 def versions(tiny_model_dir) -> Versions:
     from transformers import AutoModelForImageTextToText
 
-    from rollout_server.engines.hf import HFGenerator, load_processor
+    from common.tensors.generate import HFGenerator, load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     gen = HFGenerator(model, load_processor(str(tiny_model_dir)), max_batch=8)
@@ -143,7 +144,7 @@ def assert_every_response_matches_its_ver(results, versions: Versions) -> None:
 
 @pytest.mark.parametrize("fence", ["drain", "abort"])
 def test_under_load_every_response_carries_the_ver_whose_weights_produced_it(server, versions, fence):
-    client = WeightSyncClient(server.url, timeout_s=60)
+    client = HttpWeightSender(server.url, timeout_s=60)
     ver0 = current_ver(server)
     reports = []
     with Hammer(server.url) as hammer:
@@ -173,14 +174,15 @@ def test_under_load_every_response_carries_the_ver_whose_weights_produced_it(ser
 KILLED_CLIENT = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import load_file
-    from rollout_server.sync_client import WeightSyncClient
-    from rollout_server import weights as W
+    from common.tensors import weights as W
+    from learner.sync import cast_stream, plan
+    from learner.sync.http import HttpWeightSender
     url, path = sys.argv[1], sys.argv[2]
-    client = WeightSyncClient(url, timeout_s=60)
+    client = HttpWeightSender(url, timeout_s=60)
     session = client.open(bucket_bytes=1 << 18)
-    planned = client.plan(session.info, load_file(path).items())
+    planned = plan(session.info, load_file(path).items())
     session.begin("drain")
-    first = next(W.iter_buckets(client.cast_stream(session.info, planned), 1 << 18))
+    first = next(W.iter_buckets(cast_stream(session.info, planned), 1 << 18))
     session.send_bucket(first)
     print("SENT", flush=True)
     import time; time.sleep(120)
@@ -220,11 +222,11 @@ def test_a_sync_client_killed_after_the_first_bucket_leaves_old_weights_and_ver(
 
 def test_an_explicit_abort_mid_sync_keeps_old_weights_and_ver_and_serving_resumes(server, versions):
     ver = current_ver(server)
-    client = WeightSyncClient(server.url, timeout_s=60)
+    client = HttpWeightSender(server.url, timeout_s=60)
     with Hammer(server.url, n_threads=2) as hammer:
         hammer.wait_for(2)
         session = client.open(bucket_bytes=BUCKET_BYTES)
-        planned = client.plan(session.info, versions.weights[-1].items())
+        planned = plan(session.info, versions.weights[-1].items())
         begun = session.begin("abort")
         assert begun.ver_before == ver
         session.send_bucket(dict(planned[:2]))
@@ -238,9 +240,9 @@ def test_an_explicit_abort_mid_sync_keeps_old_weights_and_ver_and_serving_resume
 
 def test_a_commit_of_an_incomplete_upload_fails_and_keeps_old_weights_and_ver(server, versions):
     ver = current_ver(server)
-    client = WeightSyncClient(server.url, timeout_s=60)
+    client = HttpWeightSender(server.url, timeout_s=60)
     session = client.open(bucket_bytes=BUCKET_BYTES)
-    planned = client.plan(session.info, versions.weights[-1].items())
+    planned = plan(session.info, versions.weights[-1].items())
     session.begin("drain")
     session.send_bucket(dict(planned[:3]))
     with pytest.raises(SyncError) as info:
@@ -254,11 +256,11 @@ def test_a_commit_of_an_incomplete_upload_fails_and_keeps_old_weights_and_ver(se
 
 def test_a_commit_whose_fingerprint_differs_from_the_staged_weights_is_refused_before_the_swap(server, versions):
     ver = current_ver(server)
-    client = WeightSyncClient(server.url, timeout_s=60)
+    client = HttpWeightSender(server.url, timeout_s=60)
     session = client.open(bucket_bytes=BUCKET_BYTES)
-    planned = client.plan(session.info, versions.weights[-1].items())
+    planned = plan(session.info, versions.weights[-1].items())
     session.begin("drain")
-    for bucket in W.iter_buckets(client.cast_stream(session.info, planned), BUCKET_BYTES):
+    for bucket in W.iter_buckets(cast_stream(session.info, planned), BUCKET_BYTES):
         session.send_bucket(bucket)
     with pytest.raises(SyncError, match="fingerprint") as info:
         session.commit(fingerprint="0" * 16)

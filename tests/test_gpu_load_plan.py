@@ -1,4 +1,4 @@
-"""The fast load path's CUDA side (rollout_server.fast_loader.FastLoader): receive stream + copy stream.
+"""The fast load path's CUDA side (rollout_server.engines.vllm.fast_loader.FastLoader): receive stream + copy stream.
 
 Chunks "arrive" by a device copy on the receive stream (what an NCCL broadcast does there); every
 chunk is its own broadcast (bucket 1 byte), so both slots are reused several times and a missing
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_server.fast_loader import FastLoader
+from rollout_server.engines.vllm.fast_loader import FastLoader
 from tests.test_load_plan import VllmLike, hf_weights, native, stream
 
 pytestmark = [

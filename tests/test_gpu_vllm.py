@@ -85,7 +85,7 @@ class Learner:
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-        from rollout_server.engines.hf import HFGenerator, load_processor
+        from common.tensors.generate import HFGenerator, load_processor
 
         torch.cuda.set_device(1)
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16,
@@ -124,7 +124,7 @@ def learner(model_dir) -> Learner:
 
 @pytest.fixture(scope="module")
 def sender(server):
-    from learner.nccl_sync import NcclWeightSender
+    from learner.sync.nccl import NcclWeightSender
 
     s = NcclWeightSender(server.url, timeout_s=120)
     yield s

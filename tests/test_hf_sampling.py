@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from common.protocol import SamplingParams
-from rollout_server.engines.sampling import VLLMSampler, finish_row
+from common.tensors.sampling import VLLMSampler, finish_row
 
 
 def choose(sampler: VLLMSampler, ids: list[list[int]], logits: list[list[float]]) -> list[int]:

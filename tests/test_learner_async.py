@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from common.config import load_config
-from learner.queue import COUNTER_NAMES
+from learner.pack_queue import COUNTER_NAMES
 from tests.test_learner_harness import (
     FakeActor,
     SegmentPool,

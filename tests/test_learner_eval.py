@@ -74,11 +74,11 @@ def push_weights(url: str, model_dir) -> int:
     """Push the model's own weights (ver += 1); returns the new ver."""
     from transformers import AutoModelForImageTextToText
 
-    from learner.weights import named_weights
-    from rollout_server.sync_client import WeightSyncClient
+    from learner.sync.boundary import named_weights
+    from learner.sync.http import HttpWeightSender
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
-    client = WeightSyncClient(url, timeout_s=60)
+    client = HttpWeightSender(url, timeout_s=60)
     try:
         return client.push(named_weights(model), bucket_bytes=1 << 20).ver
     finally:
@@ -212,7 +212,7 @@ class FakeSync:
         self.script = script
 
     def boundary(self, model: Any, step: int, ver: int):
-        from learner.weights import SyncResult
+        from learner.sync.boundary import SyncResult
 
         outcome = self.script.get(step)
         if outcome is None:

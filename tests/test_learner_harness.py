@@ -178,7 +178,7 @@ class SegmentPool:
     """Real encoded segments of the synthetic records (tiny model's processor), reused under new ids."""
 
     def __init__(self, model_dir: Path, data_dir: Path, n: int = 3, packing_length: int = 768) -> None:
-        from actor.encode import Encoder
+        from common.tensors.encode import Encoder
         from common.assistant_json import canonical_order, load_record
         from common.targets import channel_a_target
 

@@ -15,7 +15,7 @@ from common.wire import decode_credits, pack_to_frames
 from learner.data import window_packs
 from learner.decision import decide_step
 from learner.distributed import Dist
-from learner.queue import COUNTER_NAMES, ReadyQueue
+from learner.pack_queue import COUNTER_NAMES, ReadyQueue
 from tests.factories import make_segment
 
 

@@ -1,4 +1,4 @@
-"""Copy plans (rollout_server.load_plan): recorded from a model's own loaders, replayed bit-exactly.
+"""Copy plans (rollout_server.engines.vllm.load_plan): recorded from a model's own loaders, replayed bit-exactly.
 
 The model here loads like vLLM's layers do (weight_loader per parameter): fused q/k/v and gate/up
 rows, a tensor-parallel slice (this "worker" is rank 1 of 2), vocabulary padding zeroed with fill_,
@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_server import weights as W
-from rollout_server.fast_loader import FastLoader
-from rollout_server.load_plan import PlanError, chunk_layouts, record_plan
+from common.tensors import weights as W
+from rollout_server.engines.vllm.fast_loader import FastLoader
+from rollout_server.engines.vllm.load_plan import PlanError, chunk_layouts, record_plan
 from tests.ports import free_port_block
 
 H, KV, FF, VOCAB, PAD_VOCAB, TP_RANK, TP = 16, 8, 24, 50, 64, 1, 2
@@ -172,7 +172,7 @@ def test_loaders_that_do_more_than_place_bytes_are_refused(mode: str, why: str) 
 
 
 def test_a_loader_that_copies_everything_first_is_refused_naming_the_op(monkeypatch) -> None:
-    import rollout_server.load_plan as lp
+    import rollout_server.engines.vllm.load_plan as lp
 
     monkeypatch.setattr(lp, "MAX_DERIVED_BYTES", 64)  # the patch embedding's 48-byte copy fits, more does not
     model = VllmLike("scaled")  # w * 2 for k_proj: 256 more bytes of intermediates
@@ -202,7 +202,7 @@ def test_record_plan_rejects_a_write_from_outside_the_receive_buffers() -> None:
     other = [torch.empty(layouts[0].nbytes, dtype=torch.uint8)]
 
     def load_from_other(views):  # the loader ignores what it is given and copies from elsewhere
-        from rollout_server.load_plan import chunk_views
+        from rollout_server.engines.vllm.load_plan import chunk_views
         model.load_weights(chunk_views(other[0], layouts[0]))
     with pytest.raises(PlanError, match="not derived from received bytes"):
         record_plan(model, load_from_other, layouts, own)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.protocol import InferOutput, InferResponse, SamplingParams
-from rollout_server.engines.sampling import VLLMSampler, finish_row
+from common.tensors.sampling import VLLMSampler, finish_row
 
 CPU = torch.device("cpu")
 
@@ -26,7 +26,7 @@ def tiny(tiny_model_dir):
     """(model, HFGenerator) on CPU in float32."""
     from transformers import AutoModelForImageTextToText
 
-    from rollout_server.engines.hf import HFGenerator, load_processor
+    from common.tensors.generate import HFGenerator, load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     return model, HFGenerator(model, load_processor(str(tiny_model_dir)), device="cpu", max_batch=8)
@@ -131,7 +131,7 @@ def test_a_stop_string_cuts_the_logprobs_with_the_tokens(tiny):
 
 
 def test_vllm_completion_logprobs_become_the_sampled_tokens_logprobs_in_order():
-    from rollout_server.engines.vllm import sampled_logprobs
+    from rollout_server.engines.vllm.engine import sampled_logprobs
 
     def lp(value, rank=1):
         return SimpleNamespace(logprob=value, rank=rank, decoded_token="x")

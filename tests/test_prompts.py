@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from actor.encode import Encoder, encoder_from_config
+from common.tensors.encode import Encoder, encoder_from_config
 from common.assistant_json import DEFAULT_PROMPTS, SYSTEM_PROMPT, USER_PROMPT, Prompts, iter_jsonl
 from common.config import load_config
 from common.evaluation import evaluate_records, rollout_item

@@ -148,7 +148,7 @@ def test_sigterm_stops_the_server_cleanly_with_exit_code_0(server):
 def test_the_vllm_engine_module_imports_without_vllm_and_selecting_it_exits_3_naming_the_fix(tmp_path):
     import importlib.util
 
-    import rollout_server.engines.vllm as vllm_engine  # must import where vLLM is absent
+    import rollout_server.engines.vllm.engine as vllm_engine  # must import where vLLM is absent
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from common.protocol import BUCKET_HEADER, ErrorResponse, SyncBucketHeader
-from rollout_server import weights as W
-from rollout_server.sync_client import SyncError, WeightSyncClient
+from common.tensors import weights as W
+from learner.sync import SyncError
+from learner.sync.http import HttpWeightSender
 from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process
 
@@ -111,11 +112,11 @@ def test_sync_routes_without_the_right_bearer_token_get_401(http, headers, words
 
 
 def test_a_second_concurrent_sync_client_gets_409_naming_the_holder(server, http):
-    first = WeightSyncClient(server.url, auth_token=TOKEN, client_id="learner-A", timeout_s=30)
+    first = HttpWeightSender(server.url, auth_token=TOKEN, client_id="learner-A", timeout_s=30)
     session = first.open()
     try:
         with pytest.raises(SyncError) as info:
-            WeightSyncClient(server.url, auth_token=TOKEN, client_id="learner-B", timeout_s=30).open()
+            HttpWeightSender(server.url, auth_token=TOKEN, client_id="learner-B", timeout_s=30).open()
         assert info.value.status == 409 and "learner-A" in str(info.value) and session.id in str(info.value)
         err = error_of(http.post("/sync/abort", json={"session": "s-other"}, headers=admin()), 409)
         assert err.error == "sync_conflict"  # nobody else may end the holder's session
@@ -127,7 +128,7 @@ def test_sync_calls_out_of_order_get_409_and_unknown_sessions_are_named(server, 
     r = http.post("/sync/commit", json={"session": "s-nope", "n_buckets": 0}, headers=admin())
     assert error_of(r, 409).error == "sync_state" and "s-nope" in r.json()["message"]
     assert http.post("/sync/abort", json={"session": "s-nope"}, headers=admin()).json()["aborted"] is False
-    session = WeightSyncClient(server.url, auth_token=TOKEN, timeout_s=30).open()
+    session = HttpWeightSender(server.url, auth_token=TOKEN, timeout_s=30).open()
     r = http.post("/sync/commit", json={"session": session.id, "n_buckets": 0}, headers=admin())
     assert error_of(r, 409).error == "sync_state" and "open" in r.json()["message"]  # commit before begin
     session.abort("test done")
@@ -149,13 +150,13 @@ def test_a_collective_init_nobody_joins_fails_within_its_deadline_and_leaves_no_
     assert time.monotonic() - t0 < 60, "the init must give up at its own deadline (2 s), not hang"
     assert r.status_code in (500, 504), r.text
     assert f"127.0.0.1:{port}" in r.json()["message"]
-    session = WeightSyncClient(server.url, auth_token=TOKEN, timeout_s=30).open()  # the server took no harm
+    session = HttpWeightSender(server.url, auth_token=TOKEN, timeout_s=30).open()  # the server took no harm
     session.abort("test done")
     assert http.get("/health").status_code == 200
 
 
 def _begun_session(server):
-    session = WeightSyncClient(server.url, auth_token=TOKEN, timeout_s=30).open()
+    session = HttpWeightSender(server.url, auth_token=TOKEN, timeout_s=30).open()
     session.begin("drain")
     return session
 

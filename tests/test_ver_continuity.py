@@ -10,8 +10,8 @@ import pytest
 
 from common.config import load_config
 from learner.distributed import Dist
-from learner.weights import WeightSync
-from rollout_server.sync_client import WeightSyncClient
+from learner.sync.boundary import WeightSync
+from learner.sync.http import HttpWeightSender
 from tests.server_proc import REPO, rollout_server_process
 
 
@@ -48,7 +48,7 @@ def test_a_learner_behind_the_server_continues_from_the_server_ver(setup):
 def test_a_plain_push_without_a_floor_advances_by_exactly_one(setup):
     srv, sync, model = setup
     before = server_ver(srv.url)
-    from learner.weights import named_weights
+    from learner.sync.boundary import named_weights
 
-    report = WeightSyncClient(srv.url, timeout_s=60).push(named_weights(model), bucket_bytes=4 << 20)
+    report = HttpWeightSender(srv.url, timeout_s=60).push(named_weights(model), bucket_bytes=4 << 20)
     assert report.ver == before + 1 == server_ver(srv.url)

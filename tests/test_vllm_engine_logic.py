@@ -1,4 +1,4 @@
-"""The vLLM engine's own logic (rollout_server/engines/vllm.py) against a stand-in for AsyncLLM.
+"""The vLLM engine's own logic (rollout_server/engines/vllm/engine.py) against a stand-in for AsyncLLM.
 
 vLLM does not run on CPU CI, so ``AsyncLLM`` is replaced by an object with the calls the engine makes;
 its ``collective_rpc`` goes into real worker-extension hosts (tests/test_vllm_fastload_extension.py)
@@ -41,7 +41,7 @@ class FakeAsyncLLM:
 
 
 def _engine(workers, chunks_per_sync):
-    from rollout_server.engines.vllm import VLLMEngine
+    from rollout_server.engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the load-path logic on fake RPCs
     engine.llm = FakeAsyncLLM(workers, chunks_per_sync)

@@ -1,4 +1,4 @@
-"""tandem's vLLM worker extension (rollout_server/engines/vllm_fastload.py) on a worker-shaped host.
+"""tandem's vLLM worker extension (rollout_server/engines/vllm/extension.py) on a worker-shaped host.
 
 vLLM mixes the extension into its GPU worker; here the host carries the attributes the extension
 reads from that worker (model_config.quantization, device, weight_transfer_engine.model and its
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_server import weights as W
-from rollout_server.engines.vllm_fastload import TandemWorkerExtension
-from rollout_server.load_plan import stream_key
+from common.tensors import weights as W
+from rollout_server.engines.vllm.extension import TandemWorkerExtension
+from rollout_server.engines.vllm.load_plan import stream_key
 from tests.test_load_plan import VllmLike, hf_weights, native, same, stream
 
 
@@ -83,7 +83,7 @@ def test_quantized_models_and_computing_loaders_are_refused_for_good():
 
 
 def test_running_out_of_memory_for_the_buffers_refuses_with_the_keys_that_fix_it(monkeypatch):
-    from rollout_server.fast_loader import FastLoader
+    from rollout_server.engines.vllm.fast_loader import FastLoader
 
     def oom(self, nbytes):
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")

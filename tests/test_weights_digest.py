@@ -1,4 +1,4 @@
-"""The exact weights digest: ``rollout_server.weights.exact_digest`` and ``GET /sync/digest``.
+"""The exact weights digest: ``common.tensors.weights.exact_digest`` and ``GET /sync/digest``.
 
 Unit tests pin the definition (every element, exact integers, order- and layout-aware, independent
 of chunking); the end-to-end tests run a real hf server on loopback, push weights over HTTP with the
@@ -15,10 +15,11 @@ import torch
 from fastapi.testclient import TestClient
 
 from common.protocol import ErrorResponse, SyncDigestResponse
-from rollout_server import weights as W
+from common.tensors import weights as W
 from rollout_server.app import build_app
 from rollout_server.engines.base import Engine
-from rollout_server.sync_client import WeightSyncClient
+from learner.sync import cast_stream, plan
+from learner.sync.http import HttpWeightSender
 from tests.server_proc import rollout_server_process
 
 TOKEN = "digest-token"
@@ -168,12 +169,12 @@ def served(tiny_model_dir):
     """(server, sync client, the init info, the checkpoint's weights as the learner holds them)."""
     from transformers import AutoModelForImageTextToText
 
-    from learner.weights import named_weights
+    from learner.sync.boundary import named_weights
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     base = {n: t.clone() for n, t in named_weights(model)}
     with rollout_server_process(tiny_model_dir, [f"rollout_server.auth_token={TOKEN}"]) as srv:
-        client = WeightSyncClient(srv.url, auth_token=TOKEN, timeout_s=60, client_id="digest-test")
+        client = HttpWeightSender(srv.url, auth_token=TOKEN, timeout_s=60, client_id="digest-test")
         session = client.open()
         session.abort("only the manifest was wanted")
         yield SimpleNamespace(srv=srv, client=client, info=session.info, base=base)
@@ -193,8 +194,8 @@ def served_digest(srv) -> SyncDigestResponse:
 
 def local_digest(served, weights: dict[str, torch.Tensor]) -> str:
     """exact_digest of exactly what a push sends: planned in manifest order, cast to the serving dtype."""
-    planned = WeightSyncClient.plan(served.info, weights.items())
-    return W.exact_digest(WeightSyncClient.cast_stream(served.info, planned))
+    planned = plan(served.info, weights.items())
+    return W.exact_digest(cast_stream(served.info, planned))
 
 
 @pytest.mark.slow

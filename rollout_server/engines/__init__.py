@@ -35,7 +35,7 @@ def make_engine(cfg: Any) -> Engine:
 
         return HFEngine(path, dtype=srv.dtype, device=srv.device, max_batch=srv.hf_max_batch)
     if srv.engine == "vllm":
-        from rollout_server.engines.vllm import VLLMEngine
+        from rollout_server.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(path, srv)
     raise EngineUnavailable(f"unknown rollout_server.engine {srv.engine!r}. Fix: use hf or vllm")

@@ -26,18 +26,13 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+from common.images import InputError
 from common.protocol import InferItem, InferOutput, SamplingParams, TensorSpec
 
 
-class EngineInputError(ValueError):
-    """A request the engine cannot serve as given (missing image, prompt too long, ...): a 4xx.
-
-    ``field`` is the dotted request path it is about (``items.0.images.1``), or None.
-    """
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+#: A request the engine cannot serve as given (missing image, prompt too long, ...): a 4xx naming
+#: ``.field``. The generator shared with Stage-B raises it too, hence its home in common/.
+EngineInputError = InputError
 
 
 class WeightUpdateError(ValueError):
@@ -63,6 +58,24 @@ class Engine(abc.ABC):
         self.model_path = model_path
         #: How the last NCCL update was loaded (engine-specific timings), returned by ``/sync/update``.
         self.last_update_info: dict[str, float | str | bool | None] | None = None
+        self._manifest: dict[str, TensorSpec] = {}  # served name -> spec, in the order the learner sends
+        self._tied: list[list[str]] = []
+        self._alias: dict[str, str] = {}  # tied non-first name -> manifest name
+
+    def _set_manifest(self, spec: list[TensorSpec], tied: list[list[str]]) -> None:
+        """What :meth:`start` learned of the served model (``common.tensors.weights.manifest_of``)."""
+        self._manifest = {s.name: s for s in spec}
+        self._tied = [list(g) for g in tied]
+        self._alias = {n: g[0] for g in self._tied for n in g[1:]}
+
+    def _spec_of(self, name: str) -> tuple[str, TensorSpec]:
+        """The manifest name and spec a sent name stands for (tied names map to their group's first)."""
+        canonical = self._alias.get(name, name)
+        spec = self._manifest.get(canonical)
+        if spec is None:
+            raise WeightUpdateError(f"{name!r} is not a parameter of the served model (send HF module names, "
+                                    f"e.g. {next(iter(self._manifest), '?')!r})", name)
+        return canonical, spec
 
     def collective_backend(self) -> str:
         """Backend of the weight-transfer group this engine joins for ``transport: nccl``."""
@@ -96,13 +109,13 @@ class Engine(abc.ABC):
 
     # ---------------------------------------------------------------- weights
 
-    @abc.abstractmethod
     def manifest(self) -> list[TensorSpec]:
         """Every served parameter the learner must send, once each (tied groups: first name only)."""
+        return list(self._manifest.values())
 
-    @abc.abstractmethod
     def tied_groups(self) -> list[list[str]]:
         """Groups of parameter names sharing one storage; the first of each is in the manifest."""
+        return [list(g) for g in self._tied]
 
     @abc.abstractmethod
     def serving_dtype(self) -> str:
@@ -138,12 +151,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def fingerprint(self) -> str:
-        """Cheap deterministic hash of the served weights (see ``rollout_server.weights.fingerprint``)."""
+        """Cheap deterministic hash of the served weights (see ``common.tensors.weights.fingerprint``)."""
 
     async def weights_digest(self) -> list[str]:
         """Exact digest of the served weights, one per worker holding weights (``GET /sync/digest``).
 
-        Each entry is ``rollout_server.weights.exact_digest`` over that worker's served parameters
+        Each entry is ``common.tensors.weights.exact_digest`` over that worker's served parameters
         (manifest names), computed where the weights live. Unlike :meth:`fingerprint` it reads every
         element, so equal entries mean bit-identical weights: ops and GPU tests compare workers, or
         two weight-load paths, with it. Called only while no sync session is open.

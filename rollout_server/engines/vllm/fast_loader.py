@@ -1,4 +1,4 @@
-"""Replaying copy plans (:mod:`rollout_server.load_plan`) as weights arrive: buffers, streams, graphs.
+"""Replaying copy plans (:mod:`rollout_server.engines.vllm.load_plan`) as weights arrive: buffers, streams, graphs.
 
 Chunk ``k`` of a stream is received into slot ``k % NUM_BUFFERS`` of persistent buffers; on CUDA the
 receive runs on one stream and the chunk's copies on another, so copying chunk ``k`` overlaps
@@ -14,7 +14,7 @@ the chunks are received into the same buffers and handed to the model's own load
 the collective are never left waiting.
 
 What this module does not know: vLLM. It takes a model, a ``load_fn`` (``model.load_weights``) and a
-``broadcast(buffer, stream)`` callable; ``rollout_server/engines/vllm_fastload.py`` binds them inside
+``broadcast(buffer, stream)`` callable; ``rollout_server/engines/vllm/extension.py`` binds them inside
 vLLM's workers, and tests bind them to plain modules and gloo.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rollout_server.load_plan import (ChunkLayout, LoadPlan, PlanError, chunk_views, layout_key, model_tensors,
+from rollout_server.engines.vllm.load_plan import (ChunkLayout, LoadPlan, PlanError, chunk_views, layout_key, model_tensors,
                                       record_plan, storage_of, tensors_in)
 
 log = logging.getLogger(__name__)

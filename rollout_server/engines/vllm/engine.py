@@ -1,7 +1,7 @@
 """The ``vllm`` engine: ``AsyncLLM`` (vLLM 0.20-0.26 API) behind the Engine interface.
 
 Run on H200s with vLLM 0.26.0 (docs/gpu.md, docs/benchmarks.md). Importing this module never
-imports vLLM: vLLM is imported in :meth:`VLLMEngine.start`, so ``import rollout_server.engines.vllm``
+imports vLLM: vLLM is imported in :meth:`VLLMEngine.start`, so ``import rollout_server.engines.vllm.engine``
 works anywhere and selecting the engine without vLLM fails with :class:`EngineUnavailable` naming
 the fix.
 
@@ -30,9 +30,9 @@ Mapping onto vLLM:
   the session's ``weight_load``):
 
   - ``fast`` (default): ``collective_rpc("tandem_prepare")`` on every worker (records a copy plan the
-    first time a layout is seen: :mod:`rollout_server.load_plan`), then ``tandem_receive`` receives
+    first time a layout is seen: :mod:`rollout_server.engines.vllm.load_plan`), then ``tandem_receive`` receives
     into persistent buffers and replays the plan's copies chunk by chunk
-    (:mod:`rollout_server.engines.vllm_fastload`). Once every worker planned a stream, later syncs
+    (:mod:`rollout_server.engines.vllm.extension`). Once every worker planned a stream, later syncs
     of the same stream are one ``tandem_receive(layout=...)`` call (until a native update runs). A
     worker that cannot plan (quantized model, a loader that reads values) makes the engine fall back
     to native for good, logged with the reason;
@@ -77,7 +77,7 @@ MAX_IMAGES_PER_PROMPT = 8
 #: Chunks in flight on each side of a packed NCCL transfer (must equal the learner's NUM_BUFFERS).
 PACKED_NUM_BUFFERS = 2
 #: Mixed into vLLM's workers: the fast load path and the weights digest.
-WORKER_EXTENSION = "rollout_server.engines.vllm_fastload.TandemWorkerExtension"
+WORKER_EXTENSION = "rollout_server.engines.vllm.extension.TandemWorkerExtension"
 
 
 def vllm_available() -> bool:
@@ -121,9 +121,6 @@ class VLLMEngine(Engine):
         self.srv = srv
         self.llm: Any = None
         self.tokenizer: Any = None
-        self._manifest: dict[str, TensorSpec] = {}
-        self._tied: list[list[str]] = []
-        self._alias: dict[str, str] = {}
         self._dtype = "bfloat16" if srv.dtype == "auto" else srv.dtype
         self._staged: dict[str, Any] = {}
         self._received: set[str] = set()
@@ -172,9 +169,7 @@ class VLLMEngine(Engine):
         if "<|im_end|>" in self.tokenizer.get_vocab():
             stop.add(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
         self._stop_ids = sorted(i for i in stop if i is not None)
-        spec, self._tied = await asyncio.to_thread(self._meta_manifest)
-        self._manifest = {s.name: s for s in spec}
-        self._alias = {n: g[0] for g in self._tied for n in g[1:]}
+        self._set_manifest(*await asyncio.to_thread(self._meta_manifest))
         log.info("vllm engine ready: %s, tp %d, %s, %d tensors, load_format %s", self.model_path,
                  srv.tensor_parallel_size, self._dtype, len(self._manifest), srv.load_format)
 
@@ -183,7 +178,7 @@ class VLLMEngine(Engine):
         import torch
         from transformers import AutoConfig, AutoModelForImageTextToText
 
-        from rollout_server import weights as W
+        from common.tensors import weights as W
 
         config = AutoConfig.from_pretrained(self.model_path)
         with torch.device("meta"):
@@ -210,7 +205,7 @@ class VLLMEngine(Engine):
                    logprobs=0 if s.logprobs else None)
 
     def _prompt(self, item: InferItem, row: int) -> dict[str, Any]:
-        from rollout_server.engines.hf_inputs import load_image
+        from common.images import load_image
 
         images = list(item.images or [])
         if item.prompt_token_ids is not None:
@@ -275,12 +270,6 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- weights
 
-    def manifest(self) -> list[TensorSpec]:
-        return list(self._manifest.values())
-
-    def tied_groups(self) -> list[list[str]]:
-        return [list(g) for g in self._tied]
-
     def serving_dtype(self) -> str:
         return self._dtype
 
@@ -309,11 +298,7 @@ class VLLMEngine(Engine):
         await self.llm.resume_generation()
 
     def _check(self, name: str, dtype: str, shape: list[int]) -> str:
-        canonical = self._alias.get(name, name)
-        spec = self._manifest.get(canonical)
-        if spec is None:
-            raise WeightUpdateError(f"{name!r} is not a parameter of the served model (send HF module names, "
-                                    f"e.g. {next(iter(self._manifest))!r})", name)
+        canonical, spec = self._spec_of(name)
         if list(shape) != spec.shape or dtype != spec.dtype:
             raise WeightUpdateError(f"{name!r} is {dtype} {list(shape)}, the server serves {spec.dtype} {spec.shape}",
                                     name)
@@ -349,7 +334,7 @@ class VLLMEngine(Engine):
 
     async def _receive_fast(self, header: SyncBucketHeader, nbytes: int) -> bool:
         """False (nothing received) when a worker cannot plan this layout; raises if receiving fails."""
-        from rollout_server.load_plan import stream_key
+        from rollout_server.engines.vllm.load_plan import stream_key
 
         layout = {"names": list(header.names), "dtypes": list(header.dtypes), "shapes": header.shapes,
                   "offsets": [list(o) for o in header.offsets], "bucket_bytes": self._bucket_bytes}

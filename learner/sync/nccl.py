@@ -15,7 +15,7 @@ One push, with what each wait is unblocked by::
                                          the call returns once every worker received and loaded them
     /sync/commit                         finish the update, caches reset, ver += 1, fence reopens
 
-Packing is vLLM's (``rollout_server.weights.packed_chunks``): tensors in manifest order are
+Packing is vLLM's (``common.tensors.weights.packed_chunks``): tensors in manifest order are
 concatenated as bytes until a chunk exceeds ``bucket_bytes``, so the vLLM engine's native consumer
 (``update_weights(packed=True)``) and the hf engine's receiver cut the stream the same way.
 
@@ -26,11 +26,14 @@ plain ``torch.distributed`` ``TCPStore`` + ``ProcessGroupNCCL``.
 
 Watchdog: the broadcasts run on a daemon thread that polls each chunk's completion with the push's
 deadline, while the HTTP call (with its own timeout) runs on the calling thread. A dead or frozen
-server becomes a :class:`~rollout_server.sync_client.SyncError` within ``timeout_s``, never a hang;
+server becomes a :class:`~learner.sync.control.SyncError` within ``timeout_s``, never a hang;
 the group is then dropped (aborted where the backend can) and the next push builds a new one on a
 fresh port. Any failure after ``/sync/init`` sends a best-effort ``/sync/abort``.
 
-What this module does not know: when to sync (``learner/weights.py``) or how the server stages weights.
+The push protocol around the transfer (plan, fingerprint, fence, commit, abort) is
+:class:`learner.sync.base.PushSender`'s; this module adds the group and the broadcasts.
+
+What this module does not know: when to sync (``learner/sync/boundary.py``) or how the server stages weights.
 """
 
 from __future__ import annotations
@@ -39,14 +42,15 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from common.protocol import SyncBucketHeader
-from rollout_server import weights as W
-from rollout_server.sync_client import SyncError, SyncReport, WeightSyncClient
+from common.tensors import weights as W
+from learner.sync.base import PushSender, Sent
+from learner.sync.control import SyncError, SyncSession
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +109,21 @@ class _TorchGroup:
         self.group.abort()
 
 
-class NcclWeightSender:
+class NcclWeightSender(PushSender):
     """Pushes full weights to one rollout server over a dedicated NCCL group (module docstring)."""
 
-    def __init__(self, base_url: str, *, auth_token: str | None = None, timeout_s: float = 300.0,
-                 master_addr: str = "127.0.0.1", client_id: str | None = None, connect_timeout_s: float = 10.0) -> None:
-        self.client = WeightSyncClient(base_url, auth_token=auth_token, timeout_s=timeout_s, client_id=client_id,
-                                       connect_timeout_s=connect_timeout_s)
-        self.base_url, self.timeout_s, self.master_addr = base_url, timeout_s, master_addr
+    transport = "nccl"
+
+    def __init__(self, base_url: str, *, master_addr: str = "127.0.0.1", **kw: Any) -> None:
+        super().__init__(base_url, **kw)
+        self.master_addr = master_addr
         self._group: Any = None
         self._rendezvous: dict[str, Any] | None = None
         self.groups_created = 0
 
     def close(self) -> None:
         self._drop_group("sender closed")
-        self.client.close()
+        super().close()
 
     def _drop_group(self, why: str) -> None:
         group, self._group, self._rendezvous = self._group, None, None
@@ -131,13 +135,25 @@ class NcclWeightSender:
             except Exception as exc:  # noqa: BLE001 - best effort on a broken communicator
                 log.warning("could not abort the weight-transfer communicator: %s", exc)
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ transport hooks
 
-    def _open(self, bucket_bytes: int, device: torch.device, deadline: float, weight_load: str | None = None):
+    def _open(self, bucket_bytes: int, named: list[tuple[str, torch.Tensor]], deadline: float,
+              weight_load: str | None) -> SyncSession:
         """``/sync/init``; the first time (or after a drop) also builds the group, concurrently with it."""
+        device = named[0][1].device if named else torch.device("cpu")
+        had_group = self._group is not None
+        try:
+            return self._open_group(bucket_bytes, device, deadline, weight_load)
+        except BaseException:
+            if had_group:  # e.g. the server restarted and lost the group: build a new one next time
+                self._drop_group("/sync/init failed")
+            raise
+
+    def _open_group(self, bucket_bytes: int, device: torch.device, deadline: float,
+                    weight_load: str | None) -> SyncSession:
         if self._group is not None:
-            return self.client.open(bucket_bytes, nccl=self._rendezvous, weight_load=weight_load)
-        health = self.client.health()
+            return self.control.open(bucket_bytes, nccl=self._rendezvous, weight_load=weight_load)
+        health = self.control.health()
         world = 1 + health.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
         rdv = {"master_addr": self.master_addr, "master_port": free_port(self.master_addr), "world_size": world,
@@ -146,7 +162,7 @@ class NcclWeightSender:
 
         def init() -> None:
             try:
-                box["session"] = self.client.open(bucket_bytes, nccl=rdv, weight_load=weight_load)
+                box["session"] = self.control.open(bucket_bytes, nccl=rdv, weight_load=weight_load)
             except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
                 box["error"] = exc
 
@@ -180,74 +196,37 @@ class NcclWeightSender:
                  rdv["master_addr"], rdv["master_port"])
         return box["session"]
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
-             fence: str = "drain", on_phase: Callable[[str], None] | None = None,
-             min_ver: int | None = None, weight_load: str | None = None) -> SyncReport:
-        """Send every served weight and commit; raises :class:`SyncError` (server keeps old weights and ver).
+    def _prepare(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], dtypes: dict[str, str],
+                 bucket_bytes: int) -> tuple[SyncBucketHeader, list[list[int]], list, Any]:
+        """The packing header (every tensor announced in one /sync/update), its chunks, and the ready event."""
+        specs = [(dtypes[n], list(t.shape)) for n, t in planned]
+        header = SyncBucketHeader(session=session.id, index=0, names=[n for n, _ in planned],
+                                  dtypes=[d for d, _ in specs], shapes=[s for _, s in specs],
+                                  offsets=W.packed_offsets(specs))  # type: ignore[arg-type]
+        chunks = W.packed_chunks([end - begin for begin, end in header.offsets], bucket_bytes)
+        tensors = [(t.detach(), W.torch_dtype(dtypes[n])) for n, t in planned]  # cast chunk by chunk
+        ready = None
+        # The side streams must see what the caller's stream wrote: the optimizer step (blocking mode), or in
+        # overlap mode the snapshot copy (the push thread calls us inside WeightSnapshot.reading(), whose
+        # stream waits for the copy's event: learner/sync/overlap.py).
+        if tensors and tensors[0][0].is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensors[0][0].device))
+        return header, chunks, tensors, ready
 
-        ``on_phase(name)`` is called after ``begin`` (tests use it to freeze the server mid-sync);
-        ``weight_load`` overrides the server's load path for this push (``fast`` | ``native``: benchmarks).
-        """
-        t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
-        named_tensors = list(named_tensors)
-        device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
-        had_group = self._group is not None
-        try:
-            session = self._open(bucket_bytes, device, deadline, weight_load)
-        except BaseException:
-            if had_group:  # e.g. the server restarted and lost the group: build a new one next time
-                self._drop_group("/sync/init failed")
-            raise
-        info = session.info
-        try:
-            planned = WeightSyncClient.plan(info, named_tensors)
-            dtypes = {s.name: s.dtype for s in info.manifest}
-            fp = W.fingerprint(planned, dtypes)  # of the tensors as the server will hold them
-            specs = [(dtypes[n], list(t.shape)) for n, t in planned]
-            header = SyncBucketHeader(session=session.id, index=0, names=[n for n, _ in planned],
-                                      dtypes=[d for d, _ in specs], shapes=[s for _, s in specs],
-                                      offsets=W.packed_offsets(specs))  # type: ignore[arg-type]
-            chunks = W.packed_chunks([end - begin for begin, end in header.offsets], bucket_bytes)
-            tensors = [(t.detach(), W.torch_dtype(dtypes[n])) for n, t in planned]  # cast chunk by chunk
-            ready = None
-            # The side streams must see what the caller's stream wrote: the optimizer step (blocking mode), or in
-            # overlap mode the snapshot copy (the push thread calls us inside WeightSnapshot.reading(), whose
-            # stream waits for the copy's event: learner/overlap.py).
-            if tensors[0][0].is_cuda:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(tensors[0][0].device))
-            t1 = time.monotonic()
-            begun = session.begin(fence)
-            t2 = time.monotonic()
-            if on_phase is not None:
-                on_phase("begun")
-            sender = _Broadcaster(self._group, tensors, chunks, deadline, ready)
-            sender.start()
-            update = session.update(header)  # returns once the server received and loaded every chunk
-            sender.join(deadline)
-            t3 = time.monotonic()
-            done = session.commit(fp, min_ver)
-            t4 = time.monotonic()
-        except BaseException as exc:
-            if not isinstance(exc, SyncError) or exc.phase in ("update", "wire"):
-                self._drop_group(f"{type(exc).__name__} during the push")
-            try:
-                session.abort(f"learner push failed: {type(exc).__name__}: {exc}"[:500])
-            except Exception as abort_exc:  # noqa: BLE001 - the server's idle timeout is the backstop
-                log.warning("could not abort sync session %s: %s", session.id, abort_exc)
-            raise
-        if done.fingerprint != fp:
-            raise SyncError("commit", f"server fingerprint {done.fingerprint} != learner {fp}")
-        nbytes = header.offsets[-1][1]
-        report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
-                            bytes=nbytes, n_buckets=len(chunks), fingerprint=done.fingerprint,
-                            ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted,
-                            server_update_s=update.elapsed_s, server_load=update.load)
-        log.info("weights synced to %s over NCCL: ver %d, %d chunk(s), %.1f MB, fence %.3fs wire %.3fs (%.1f GB/s) "
-                 "commit %.3fs, fingerprint %s", self.base_url, report.ver, len(chunks), nbytes / 1e6, report.fence_s,
-                 report.wire_s, nbytes / max(report.wire_s, 1e-9) / 1e9, report.commit_s, report.fingerprint)
-        return report
+    def _send(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], prepared: Any,
+              bucket_bytes: int, deadline: float) -> Sent:
+        header, chunks, tensors, ready = prepared
+        sender = _Broadcaster(self._group, tensors, chunks, deadline, ready)
+        sender.start()
+        update = session.update(header)  # returns once the server received and loaded every chunk
+        sender.join(deadline)
+        return Sent(bytes=header.offsets[-1][1] if header.offsets else 0, n_buckets=len(chunks),
+                    server_update_s=update.elapsed_s, server_load=update.load)
+
+    def _failed(self, exc: BaseException) -> None:
+        if not isinstance(exc, SyncError) or exc.phase in ("update", "wire"):
+            self._drop_group(f"{type(exc).__name__} during the push")
 
 
 class _Broadcaster(threading.Thread):

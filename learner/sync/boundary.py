@@ -12,7 +12,7 @@
 ``sync_mode: overlap`` (async mode only). The start-up sync is the blocking one above (server and
 learner agree before the first step). Then, at EVERY step boundary, every rank::
 
-    rank 0:     outcome = the push thread's result if it finished since the last boundary (learner/overlap.py)
+    rank 0:     outcome = the push thread's result if it finished since the last boundary (learner/sync/overlap.py)
                 due (sync_every_steps since the last push started)?
                   push idle: snapshot the weights (CPU copy / GPU copy on a side stream after an event)
                              and hand them to the push thread; returns at once       time/sync_snapshot
@@ -59,7 +59,8 @@ from typing import Any
 import torch
 
 from learner.distributed import Dist
-from learner.overlap import ABORT_GRACE_S, BackgroundPush, WeightSnapshot
+from learner.sync import WeightSender, make_sender
+from learner.sync.overlap import ABORT_GRACE_S, BackgroundPush, WeightSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class WeightSync:
         self.every = int(cfg.stage2_ab.channel_b.async_.sync_every_steps)
         self.mode = cfg.stage2_ab.channel_b.async_.sync_mode
         self.auth_token = cfg.rollout_server.auth_token
-        self._clients: dict[str, Any] = {}
+        self._senders: dict[str, WeightSender] = {}
         self.last_sync_step: int | None = None
         self.counts = {"sync/attempts": 0, "sync/successes": 0, "sync/failures": 0, "sync/deferred": 0}
         self.client_calls = 0  # pushes this rank issued (stays 0 on every rank but 0)
@@ -158,33 +159,22 @@ class WeightSync:
             self.snapshot.guard_writes()
 
     def close(self) -> None:
-        """Wait for a push in flight up to its deadline, then close the clients (no collective: runs on error paths)."""
+        """Wait for a push in flight up to its deadline, then close the senders (no collective: runs on error paths)."""
         if self.pusher is not None and not self.pusher.close(self.pusher.remaining_s()):
-            return  # the thread still uses the clients; the process exit ends them
-        for client in self._clients.values():
-            # HTTP connections only: an NCCL sender's group is left to the process exit, as before this close
-            # existed (aborting a communicator at shutdown is not exercised on GPUs).
+            return  # the thread still uses the senders; the process exit ends them
+        for sender in self._senders.values():
             with contextlib.suppress(Exception):
-                getattr(client, "client", client).close()
-        self._clients.clear()
+                sender.close()
+        self._senders.clear()
 
-    def _client(self, base_url: str) -> Any:
-        if base_url not in self._clients:
-            from rollout_server.sync_client import WeightSyncClient  # deferred: rank 0 only
-
-            kw = dict(auth_token=self.auth_token, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
-                      client_id=f"learner-rank{self.dist.rank}@{socket.gethostname()}:{os.getpid()}")
-            client = WeightSyncClient(base_url, **kw)
-            nccl = self.transport == "nccl" or (
-                self.transport == "auto" and torch.cuda.is_available() and client.health().engine == "vllm")
-            if nccl:
-                from learner.nccl_sync import NcclWeightSender  # GPU path: dedicated NCCL group, packed broadcasts
-
-                client.close()
-                client = NcclWeightSender(base_url, master_addr=self.master_addr, **kw)
-            log.info("weight sync to %s over %s", base_url, "nccl" if nccl else "http")
-            self._clients[base_url] = client
-        return self._clients[base_url]
+    def _sender(self, base_url: str) -> WeightSender:
+        if base_url not in self._senders:
+            sender = make_sender(base_url, self.transport, master_addr=self.master_addr, auth_token=self.auth_token,
+                                 timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
+                                 client_id=f"learner-rank{self.dist.rank}@{socket.gethostname()}:{os.getpid()}")
+            log.info("weight sync to %s over %s", base_url, sender.transport)
+            self._senders[base_url] = sender
+        return self._senders[base_url]
 
     def run(self, model: torch.nn.Module, step: int, ver: int) -> SyncResult:
         """One blocking sync at the boundary before optimizer step ``step``; returns the ver every rank adopts."""
@@ -246,11 +236,11 @@ class WeightSync:
         for url in self.servers:
             t_push = time.monotonic()
             try:
-                report = self._client(url).push(tensors(), bucket_bytes=self.bucket_bytes, fence=self.fence,
+                report = self._sender(url).push(tensors(), bucket_bytes=self.bucket_bytes, fence=self.fence,
                                                 min_ver=floor)
             except Exception as exc:  # noqa: BLE001 - any failure of the sync keeps training alive (module docstring)
-                stale = self._clients.pop(url, None)  # a fresh client (and connection) next time
-                if stale is not None and hasattr(stale, "close"):
+                stale = self._senders.pop(url, None)  # a fresh sender (and connection) next time
+                if stale is not None:
                     stale.close()
                 hint = "" if "rollout_server" in str(exc) else f" Is the rollout server up? Start it with: {SERVER_START_HINT}"
                 log.error(

@@ -1,6 +1,6 @@
 """The two pieces of ``sync_mode: overlap`` on learner rank 0: a weights snapshot and the push thread.
 
-``learner/weights.py`` drives them at every step boundary (the protocol and its collectives are
+``learner/sync/boundary.py`` drives them at every step boundary (the protocol and its collectives are
 there); this module holds rank 0's local machinery. What each wait is unblocked by::
 
     training thread (rank 0), boundary before step s              push thread "wsync-overlap" (rank 0)

@@ -25,7 +25,7 @@ intercepts every aten op writing into a parameter or buffer of the model and doe
 Every written parameter must be covered exactly (written elements == its size, checked with a mask
 where writes overlap); parameters the stream never touches are counted and reported.
 
-A plan is replayed by :class:`rollout_server.fast_loader.FastLoader` (receive buffers, CUDA streams
+A plan is replayed by :class:`rollout_server.engines.vllm.fast_loader.FastLoader` (receive buffers, CUDA streams
 and graphs, deadlines).
 
 What this module does not know: vLLM, CUDA streams, or how bytes arrive. It takes a model, a
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rollout_server import weights as W
+from common.tensors import weights as W
 
 log = logging.getLogger(__name__)
 

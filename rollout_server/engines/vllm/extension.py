@@ -2,10 +2,10 @@
 
 vLLM mixes this class into its ``Worker`` (vLLM >= 0.8.2), so ``self`` is the worker and the methods
 are reached with ``AsyncLLM.collective_rpc(name, kwargs=...)`` on every worker at once. The engine
-(:mod:`rollout_server.engines.vllm`) calls, per sync and only for ``weight_load: fast``:
+(:mod:`rollout_server.engines.vllm.engine`) calls, per sync and only for ``weight_load: fast``:
 
 1. ``tandem_prepare(layout)`` on every worker: records the copy plan for this stream layout if it has
-   none (:mod:`rollout_server.load_plan`; no weight is written) and says whether it can replay it.
+   none (:mod:`rollout_server.engines.vllm.load_plan`; no weight is written) and says whether it can replay it.
    Nothing is received yet, so if any worker refuses, the engine runs vLLM's native
    ``update_weights`` for this sync instead and the learner's broadcasts are consumed there.
 2. ``tandem_receive(timeout_s)``: the packed broadcasts from learner rank 0 over the communicator
@@ -18,7 +18,7 @@ call, ``tandem_receive(timeout_s, layout)``: one engine-core round trip less per
 to move a 2 GB model). The worker re-plans on the spot if its
 model storage moved; if it then cannot plan at all, the learner is already broadcasting and the
 other workers are receiving, so it receives through the model's own loaders instead
-(:meth:`~rollout_server.fast_loader.FastLoader.receive_direct`) and says so (``path: direct``): the
+(:meth:`~rollout_server.engines.vllm.fast_loader.FastLoader.receive_direct`) and says so (``path: direct``): the
 engine turns the fast path off after that sync.
 
 Quantized models are refused up front: their ``process_weights_after_loading`` repacks values, which
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from rollout_server import weights as W
-from rollout_server.fast_loader import NUM_BUFFERS, FastLoader
-from rollout_server.load_plan import PlanError, chunk_layouts, layout_key, stream_key
+from common.tensors import weights as W
+from rollout_server.engines.vllm.fast_loader import NUM_BUFFERS, FastLoader
+from rollout_server.engines.vllm.load_plan import PlanError, chunk_layouts, layout_key, stream_key
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Weight tensors on both ends of a sync: names, manifest, fingerprint, exact digest, safetensors buckets.
 
-Imported by the learner-side sender (:mod:`rollout_server.sync_client`) and by the engines, so the
+Imported by the learner-side sender (:mod:`learner.sync.http`) and by the engines, so the
 two sides compute names and fingerprints with the same code. Imports torch and safetensors only
 (no fastapi, no transformers): the learner can use it without the server's dependencies.
 
@@ -312,7 +312,7 @@ class TorchTransferGroup:
     workers) connect to it. Host-side waits go through :func:`wait_work`, so a dead peer becomes a
     TimeoutError after ``timeout_s`` instead of a hang (or a process teardown by NCCL's watchdog);
     :meth:`abort` then frees the communicator.
-    Used by the learner's sender (``learner/nccl_sync.py``) and the hf engine's receiver; the vLLM
+    Used by the learner's sender (``learner/sync/nccl.py``) and the hf engine's receiver; the vLLM
     engine uses vLLM's own rendezvous (``StatelessProcessGroup`` + ``PyNcclCommunicator``) instead.
     """
 

@@ -1,0 +1,77 @@
+"""Where checkpoints live and what every process reads from them: the latest, the one to resume, the B ledger.
+
+The learner writes checkpoints (``learner/checkpoint.py``); the actors read them on resume (the B
+ledger tells each actor's stream which keys were trained) and so does the run record. This module is
+the one place that knows the layout both sides share::
+
+    {output_dir}/checkpoints/<step>/            a finished checkpoint (an integer directory name)
+    {output_dir}/checkpoints/.tmp-<step>/       one being written (ignored here)
+    <checkpoint>/b_ledger_rank<r>.json          {"rank": r, "trained_ids": [B keys rank r trained]}
+
+No torch: reading a ledger must not need the learner's dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    """``{output_dir}/checkpoints``."""
+    return Path(output_dir) / "checkpoints"
+
+
+def ledger_path(checkpoint_dir: str | Path, rank: int) -> Path:
+    """The B-ledger file learner rank ``rank`` writes into a checkpoint."""
+    return Path(checkpoint_dir) / f"b_ledger_rank{rank}.json"
+
+
+def write_b_ledger(checkpoint_dir: str | Path, rank: int, trained_ids: set[str]) -> None:
+    """Rank ``rank``'s ledger: every B key it trained before this checkpoint (sorted: stable bytes)."""
+    ledger_path(checkpoint_dir, rank).write_text(json.dumps({"rank": rank, "trained_ids": sorted(trained_ids)}))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """``{output_dir}/checkpoints/<step>`` with the largest integer step, or None."""
+    root = checkpoints_root(output_dir)
+    steps = [p for p in root.glob("*") if p.is_dir() and p.name.isdigit()] if root.is_dir() else []
+    return max(steps, key=lambda p: int(p.name)) if steps else None
+
+
+def resolve_resume_checkpoint(resume: str | None, output_dir: str | Path) -> Path | None:
+    """``training.resume`` -> the checkpoint directory to read (None = fresh start)."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(output_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise FileNotFoundError(f"training.resume={resume!r} is not a checkpoint directory; use auto or a path "
+                                f"such as {Path(output_dir) / 'checkpoints' / '<step>'}")
+    return path
+
+
+def read_b_ledger(checkpoint_dir: str | Path | None, rank: int) -> set[str]:
+    """Keys learner rank ``rank`` trained before ``checkpoint_dir`` was written (empty set if none).
+
+    Accepts ``b_ledger.json`` holding ``{"rank": r, "trained_ids": [...]}`` or a list of such maps
+    (one per rank), and per-rank files ``b_ledger_rank<r>.json`` of the same shape.
+    """
+    if checkpoint_dir is None:
+        return set()
+    keys: set[str] = set()
+    found = False
+    for path in sorted(Path(checkpoint_dir).glob("b_ledger*.json")):
+        found = True
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entries = data if isinstance(data, list) else [data]
+        for entry in entries:
+            if isinstance(entry, dict) and int(entry.get("rank", -1)) == rank:
+                keys.update(str(k) for k in entry.get("trained_ids", []))
+    if not found:
+        log.warning("resume from %s: no b_ledger*.json there; the B stream restarts from its beginning", checkpoint_dir)
+    return keys

@@ -1,0 +1,214 @@
+"""One weight push, whatever the transport: the sender interface, the plan, and the push protocol.
+
+Every sender pushes the learner's weights to one rollout server the same way::
+
+    open      /sync/init: a session with the server's manifest, tied groups and serving dtype
+              (a transport may set itself up here: the NCCL sender joins its group)
+    plan      names mapped to the manifest, tied weights once, every served name present, shapes checked
+    fingerprint  of the tensors as the server will hold them (its dtype)
+    prepare   what the transport needs before the fence (e.g. the NCCL packing header)
+    begin     /sync/begin: the server's fence closes (in-flight /infer drained or aborted)
+    send      the transport moves the bytes (HTTP buckets; NCCL broadcasts)
+    commit    /sync/commit: the server swaps, checks the fingerprint, ver += 1, the fence reopens
+    on any failure after open: /sync/abort (best effort), the server keeps its old weights and ver
+    check     the server's fingerprint equals ours
+
+:class:`PushSender` writes this protocol once; a transport implements :meth:`PushSender._send`
+(and, where it needs them, ``_open``, ``_prepare`` and ``_failed``). :class:`WeightSender` is the
+interface the learner's sync boundary (``learner/sync/boundary.py``) holds; ``learner.sync.make_sender``
+picks the transport.
+
+What this module does not know: when to sync, ranks, or how the server stages weights.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from common.protocol import SyncInitResponse
+from common.tensors import weights as W
+from learner.sync.control import SyncClient, SyncError, SyncSession
+
+log = logging.getLogger(__name__)
+
+Named = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class SyncReport:
+    """What one committed push took (seconds) and moved."""
+
+    ver: int
+    fence_s: float  # /sync/begin: admission closed and in-flight drained or aborted
+    wire_s: float  # all /sync/bucket calls (cast + serialise + transfer + server staging)
+    commit_s: float  # /sync/commit round trip (swap + cache reset on the server)
+    total_s: float  # init to commit response
+    bytes: int
+    n_buckets: int
+    fingerprint: str  # of the weights now served (equal to the learner's)
+    ver_before: int = 0
+    drained: int = 0
+    aborted: int = 0
+    server_update_s: float | None = None  # NCCL path: the server's own time for /sync/update (receive + load)
+    server_load: dict | None = None  # NCCL path: how the engine loaded it (SyncBucketResponse.load)
+
+
+@dataclass
+class Sent:
+    """What a transport's ``_send`` moved (for the report)."""
+
+    bytes: int
+    n_buckets: int
+    server_update_s: float | None = None
+    server_load: dict | None = None
+
+
+class WeightSender(Protocol):
+    """What the learner holds per rollout server: push every served weight and commit, or raise SyncError."""
+
+    base_url: str
+    transport: str
+
+    def push(self, named_tensors: Named, bucket_bytes: int = 512 << 20, fence: str = "drain",
+             min_ver: int | None = None) -> SyncReport: ...
+
+    def close(self) -> None: ...
+
+
+def plan(info: SyncInitResponse, named_tensors: Named) -> list[tuple[str, torch.Tensor]]:
+    """Match the learner's tensors to the server's manifest, in manifest order (not yet cast).
+
+    Names lose ``module.`` / ``_orig_mod.``; a tied group is sent once under its first name;
+    names the server does not serve are skipped with a warning. Raises :class:`SyncError` when a
+    served name is missing or a shape differs (before any fence is closed).
+    """
+    alias = {n: g[0] for g in info.tied for n in g[1:]}
+    specs = {s.name: s for s in info.manifest}
+    found: dict[str, torch.Tensor] = {}
+    extra = []
+    for raw, t in named_tensors:
+        name = alias.get(W.hf_name(raw), W.hf_name(raw))
+        if name not in specs:
+            extra.append(raw)
+        elif name not in found:
+            found[name] = t
+    if extra:
+        log.warning("weight sync skips %d tensor(s) the server does not serve (first: %s)", len(extra), extra[0])
+    missing = [n for n in specs if n not in found]
+    if missing:
+        raise SyncError("plan", f"{len(missing)} served parameter(s) missing on the learner (first: {missing[0]!r}); "
+                        "send the HF model's own named_parameters() (same architecture as the server)")
+    bad = [(n, list(found[n].shape), s.shape) for n, s in specs.items() if list(found[n].shape) != s.shape]
+    if bad:
+        raise SyncError("plan", f"{len(bad)} shape mismatch(es), first {bad[0][0]!r}: learner {bad[0][1]} vs "
+                        f"server {bad[0][2]}")
+    return [(n, found[n]) for n in specs]
+
+
+def cast_stream(info: SyncInitResponse, planned: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor as the server holds it: CPU, contiguous, serving dtype (one at a time)."""
+    dtypes = {s.name: s.dtype for s in info.manifest}
+    for name, t in planned:
+        yield name, t.detach().to(device="cpu", dtype=W.torch_dtype(dtypes[name])).contiguous()
+
+
+class PushSender(abc.ABC):
+    """The push protocol of the module docstring over a :class:`SyncClient`; transports fill in ``_send``."""
+
+    transport = "?"
+
+    def __init__(self, base_url: str, *, auth_token: str | None = None, timeout_s: float = 300.0,
+                 client_id: str | None = None, connect_timeout_s: float = 10.0) -> None:
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        self.control = SyncClient(base_url, auth_token=auth_token, timeout_s=timeout_s,
+                                  client_id=client_id or f"learner@{socket.gethostname()}:{os.getpid()}",
+                                  connect_timeout_s=connect_timeout_s)
+
+    def close(self) -> None:
+        self.control.close()
+
+    def __enter__(self) -> PushSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def health(self):
+        """``GET /health`` of the server this sender pushes to."""
+        return self.control.health()
+
+    # -------------------------------------------------------------- transport hooks
+
+    def _open(self, bucket_bytes: int, named: list[tuple[str, torch.Tensor]], deadline: float,
+              weight_load: str | None) -> SyncSession:
+        return self.control.open(bucket_bytes)
+
+    def _prepare(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], dtypes: dict[str, str],
+                 bucket_bytes: int) -> Any:
+        return None
+
+    @abc.abstractmethod
+    def _send(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], prepared: Any,
+              bucket_bytes: int, deadline: float) -> Sent:
+        """Move every planned tensor to the server inside the fence; raise SyncError on failure."""
+
+    def _failed(self, exc: BaseException) -> None:
+        """A push failed after open (before the abort is sent): drop transport state that may be broken."""
+
+    # -------------------------------------------------------------- the protocol
+
+    def push(self, named_tensors: Named, bucket_bytes: int = 512 << 20, fence: str = "drain",
+             min_ver: int | None = None, *, on_phase: Callable[[str], None] | None = None,
+             weight_load: str | None = None) -> SyncReport:
+        """Send every served weight and commit (module docstring). Raises :class:`SyncError`; the server then
+        keeps its old weights and ver.
+
+        ``min_ver``: the lowest ver the commit may produce (``SyncCommitRequest.min_ver``). ``on_phase(name)``
+        is called after ``begin`` (tests use it to freeze the server mid-sync); ``weight_load`` overrides the
+        server's NCCL load path for this push (``fast`` | ``native``: benchmarks).
+        """
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        named = list(named_tensors)
+        session = self._open(bucket_bytes, named, deadline, weight_load)
+        try:
+            planned = plan(session.info, named)
+            dtypes = {s.name: s.dtype for s in session.info.manifest}
+            fp = W.fingerprint(planned, dtypes)  # of the tensors as the server will hold them
+            prepared = self._prepare(session, planned, dtypes, bucket_bytes)
+            t1 = time.monotonic()
+            begun = session.begin(fence)
+            t2 = time.monotonic()
+            if on_phase is not None:
+                on_phase("begun")
+            sent = self._send(session, planned, prepared, bucket_bytes, deadline)
+            t3 = time.monotonic()
+            done = session.commit(fp, min_ver)
+            t4 = time.monotonic()
+        except BaseException as exc:
+            self._failed(exc)
+            try:
+                session.abort(f"learner push failed: {type(exc).__name__}: {exc}"[:500])
+            except Exception as abort_exc:  # noqa: BLE001 - the server's idle timeout is the backstop
+                log.warning("could not abort sync session %s: %s", session.id, abort_exc)
+            raise
+        if done.fingerprint != fp:  # the server compared too; this catches a server that did not
+            raise SyncError("commit", f"server fingerprint {done.fingerprint} != learner {fp}")
+        report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
+                            bytes=sent.bytes, n_buckets=sent.n_buckets, fingerprint=done.fingerprint,
+                            ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted,
+                            server_update_s=sent.server_update_s, server_load=sent.server_load)
+        log.info("weights synced to %s over %s: ver %d, %d bucket(s), %.1f MB, fence %.3fs wire %.3fs (%.2f GB/s) "
+                 "commit %.3fs, fingerprint %s", self.base_url, self.transport, report.ver, report.n_buckets,
+                 report.bytes / 1e6, report.fence_s, report.wire_s, report.bytes / max(report.wire_s, 1e-9) / 1e9,
+                 report.commit_s, report.fingerprint)
+        return report
