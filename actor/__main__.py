@@ -8,50 +8,29 @@ arguments, 3 no learner within ``actor.learner_wait_timeout_s``, 1 anything unex
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
+
+from common import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m actor", description="Channel-B actor feeding one learner rank.")
-    parser.add_argument("--rank", type=int, required=True, help="learner rank this actor feeds")
-    parser.add_argument("--index", type=int, default=0, help="actor index within the rank (0..actor.num_actors_per_rank-1)")
-    parser.add_argument("--config", required=True, help="the run's YAML (configs/...)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.max_samples=8")
-    args = parser.parse_args(argv)
-
-    from common.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+    ap = cli.config_parser("python -m actor", "Channel-B actor feeding one learner rank.")
+    ap.add_argument("--rank", type=int, required=True, help="learner rank this actor feeds")
+    ap.add_argument("--index", type=int, default=0, help="actor index within the rank (0..actor.num_actors_per_rank-1)")
+    args = ap.parse_args(argv)
+    if (cfg := cli.load(args.config, args.overrides)) is None:
+        return cli.EXIT_USAGE
     world = cfg.derived.world_size
     if not 0 <= args.rank < world or not 0 <= args.index < cfg.actor.num_actors_per_rank:
         print(f"--rank {args.rank} --index {args.index}: outside {world} learner ranks × "
               f"{cfg.actor.num_actors_per_rank} actors per rank (learner.nproc_per_node, actor.num_actors_per_rank)",
               file=sys.stderr)
-        return 2
-
-    name = f"actor-r{args.rank}-{args.index}"
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /infer call drowns the actor's own log
-    _set_process_name(f"tandem-{name}")
+        return cli.EXIT_USAGE
+    cli.setup_process(f"actor-r{args.rank}-{args.index}")  # the name carries the rank: no separate r<rank>
 
     from actor.loop import ActorLoop  # deferred: pulls in transformers and torch
 
     return ActorLoop(cfg, args.rank, args.index, config_path=args.config).run()
-
-
-def _set_process_name(name: str) -> None:
-    try:
-        import setproctitle  # optional
-
-        setproctitle.setproctitle(name)
-    except ImportError:
-        pass
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ Each wait and what unblocks it:
     flushes, the outbox drains under credits until the rank acknowledged everything, all within
     ``actor.stop_timeout_s``; leftovers are counted in ``actor/dropped_at_stop``.
 
+Everything right of the packer that faces the learner rank (credit waits, the outbox, sends, the
+sent-pack ledger) is :class:`actor.learner_link.LearnerLink`; this loop decides when to poll, admit,
+collect, pack and send.
+
 Conservation (checked in every metrics record, ``actor/conservation_ok``)::
 
     segments_built = packed (sent + outbox) + flushed_dropped + too_long_dropped + stale_dropped
@@ -43,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import hashlib
 import json
 import logging
 import signal
@@ -54,13 +57,13 @@ from typing import Any
 
 from actor.client import RolloutRequestError, RolloutUnavailable
 from actor.credits import CreditGate
+from actor.learner_link import LearnerLink
 from actor.pipeline import BatchMetrics, Pipeline, Sample
-from actor.stream import PackLedger, SampleStream
+from actor.stream import SampleStream
 from common.checkpoints import read_b_ledger, resolve_resume_checkpoint
 from common.packing import Packer
 from common.segment import Pack, Segment
-from common.transport import CreditSubscriber, PackSender, TransportTimeout, credit_endpoint, pack_endpoint
-from common.wire import pack_to_frames
+from common.transport import CreditSubscriber, PackSender
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +92,6 @@ class ActorLoop:
             client = RolloutClient.from_config(cfg, client_id=self.actor_id, config_path=self.config_path)
         self.encoder, self.client = encoder, client
         self.pipeline = Pipeline(cfg, encoder)
-        self.sender = sender or PackSender(pack_endpoint(cfg.transport, rank), hwm=cfg.transport.hwm,
-                                           linger_ms=cfg.transport.linger_ms, peer_hint=self._learner_hint())
-        self.subscriber = subscriber or CreditSubscriber(credit_endpoint(cfg.transport, rank))
         self.gate = CreditGate(self.actor_id, index, a.num_actors_per_rank, lost_pack_timeout_s=a.lost_pack_timeout_s)
         self.packer = Packer(cfg.training.global_max_length, cfg.training.packing_min_fill_ratio, cfg.training.pack_max_wait_s)
         ckpt = resolve_resume_checkpoint(cfg.training.resume, cfg.training.output_dir)
@@ -103,24 +103,24 @@ class ActorLoop:
         out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = out / f"actor_rank{rank}_{index}.jsonl"
         self._metrics_f = self.metrics_path.open("a", encoding="utf-8")
-        self.ledger = PackLedger(out / f"actor_rank{rank}_{index}.ledger.jsonl")
+        self.c = collections.Counter()  # cumulative actor/* counters
+        self.link = LearnerLink(cfg, rank, index, self.actor_id, self.gate, self.c,
+                                ledger_path=out / f"actor_rank{rank}_{index}.ledger.jsonl", log_record=self._log,
+                                config_path=self.config_path, sender=sender, subscriber=subscriber)
         if trained:
             log.info("%s: resuming from %s, skipping %d trained B samples", self.actor_id, ckpt, len(trained))
 
         self._iter = iter(self.stream)
         self._retry: collections.deque[Sample] = collections.deque()
         self._failures: collections.Counter[str] = collections.Counter()  # failed rollouts per sample key
-        self._samples: dict[str, Sample] = {}  # key -> sample, from build until its pack is sent
         self._pool = cf.ThreadPoolExecutor(max_workers=a.max_inflight_batches, thread_name_prefix=f"{self.actor_id}-infer")
         self._inflight: dict[cf.Future, list[Sample]] = {}
-        self._outbox: collections.deque[Pack] = collections.deque()
         self._stop = threading.Event()
         self._taken = 0
         self._backoff_s, self._backoff_until = 0.0, 0.0
         self._window = BatchMetrics()
         self._window_packs: list[float] = []
         self._window_times = collections.Counter()
-        self.c = collections.Counter()  # cumulative actor/* counters
 
     # ------------------------------------------------------------------------------------------ run
 
@@ -133,14 +133,14 @@ class ActorLoop:
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            if not self._wait_for_learner():
+            if not self.link.wait_first(self._stop):
                 return EXIT_NO_LEARNER if not self._stop.is_set() else EXIT_OK
             log.info("%s: learner rank %d is there (%s); share %d packs", self.actor_id, self.rank,
-                     self.subscriber.endpoint, self.gate.share)
+                     self.link.subscriber.endpoint, self.gate.share)
             next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
             while not self._stop.is_set():
                 tick = time.perf_counter()
-                if not self._poll_credits():
+                if not self.link.poll():
                     return EXIT_NO_LEARNER
                 idle = not self._inflight
                 self._collect(timeout_s=TICK_S)
@@ -158,55 +158,10 @@ class ActorLoop:
         finally:
             self._write_metrics(final=True)
             self._pool.shutdown(wait=False, cancel_futures=True)
-            self.sender.close()
-            self.subscriber.close()
-            self.ledger.close()
+            self.link.close()
             self._metrics_f.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-    # ------------------------------------------------------------------------------------ credits
-
-    def _wait_for_learner(self) -> bool:
-        """First credits within ``actor.learner_wait_timeout_s`` (a stop request ends the wait early)."""
-        deadline = time.monotonic() + self.cfg.actor.learner_wait_timeout_s
-        log.info("%s: waiting up to %.0fs for learner rank %d's credits at %s", self.actor_id,
-                 self.cfg.actor.learner_wait_timeout_s, self.rank, self.subscriber.endpoint)
-        while not self._stop.is_set():
-            try:
-                self.gate.on_credits(self.subscriber.wait_first(min(1.0, max(0.0, deadline - time.monotonic())),
-                                                                hint=self._learner_hint()))
-                return True
-            except TransportTimeout:
-                if time.monotonic() >= deadline:
-                    log.error("%s: no credits from learner rank %d at %s within %.0fs (actor.learner_wait_timeout_s); "
-                              "the learner binds that endpoint and publishes every transport.credit_interval_s. "
-                              "Start it with: %s", self.actor_id, self.rank, self.subscriber.endpoint,
-                              self.cfg.actor.learner_wait_timeout_s, self._learner_hint())
-                    return False
-        return False
-
-    def _poll_credits(self) -> bool:
-        """Take the newest credits; False once the learner has been silent past every deadline."""
-        before = self.subscriber.latest
-        credits = self.subscriber.poll(0)
-        if credits is not None and credits is not before:
-            self.gate.on_credits(credits)
-        age = self.subscriber.age_s() or 0.0
-        a = self.cfg.actor
-        if age > a.learner_silence_s + a.learner_wait_timeout_s:
-            log.error("%s: no credits from learner rank %d at %s for %.0fs; exiting. Start the learner with: %s",
-                      self.actor_id, self.rank, self.subscriber.endpoint, age, self._learner_hint())
-            return False
-        if age > a.learner_silence_s and self.c["silence_logged"] < int(age // a.learner_silence_s):
-            self.c["silence_logged"] = int(age // a.learner_silence_s)
-            log.warning("%s: learner rank %d silent for %.0fs at %s; generation paused (exit after %.0fs more)",
-                        self.actor_id, self.rank, age, self.subscriber.endpoint, a.learner_wait_timeout_s + a.learner_silence_s - age)
-        return True
-
-    def _credits_fresh(self) -> bool:
-        age = self.subscriber.age_s()
-        return age is not None and age <= self.cfg.actor.learner_silence_s
 
     # ---------------------------------------------------------------------------------- admission
 
@@ -231,7 +186,7 @@ class ActorLoop:
         per_sample = (pc["tokens_packed"] + buffered) / seen if seen else packer.release_tokens
         inflight = sum(len(s) for s in self._inflight.values())
         started = buffered + inflight * per_sample
-        return len(self._outbox) + int(started // packer.release_tokens)
+        return len(self.link.outbox) + int(started // packer.release_tokens)
 
     def _admit(self) -> bool:
         """Start rollout batches while credits allow; False if credits (not back-off or the cap) held one back.
@@ -242,8 +197,8 @@ class ActorLoop:
         """
         batch = self.cfg.stage2_ab.channel_b.rollout_decode_batch_size
         while (len(self._inflight) < self.cfg.actor.max_inflight_batches and not self._stop.is_set()
-               and time.monotonic() >= self._backoff_until and self._credits_fresh()):
-            idle = not self._inflight and not self._outbox and self.packer.buffered == 0 and self.gate.outstanding == 0
+               and time.monotonic() >= self._backoff_until and self.link.fresh()):
+            idle = not self._inflight and not self.link.outbox and self.packer.buffered == 0 and self.gate.outstanding == 0
             if not idle and self.gate.outstanding + self._packs_started() >= self.gate.share:
                 self.c["credit_waits"] += 1
                 return False
@@ -332,12 +287,8 @@ class ActorLoop:
         self.c["rejected_samples"] += 1
         log.error("%s: sample %s dropped, the rollout server refused it: %s", self.actor_id, samples[0].key, exc)
 
-    def _is_stale(self, ver: int) -> bool:
-        below = self.gate.stale_below()
-        return below is not None and ver < below
-
     def _to_packer(self, segment: Segment, sample: Sample) -> None:
-        if self._is_stale(segment.ver):
+        if self.link.is_stale(segment.ver):
             self.c["stale_dropped"] += 1
             self._retry.append(sample)  # roll it out again under current weights
             return
@@ -349,52 +300,19 @@ class ActorLoop:
                 log.info("%s: ver %d: dropped %d old-ver segments (actor.flush_policy=drop)", self.actor_id, segment.ver,
                          self.packer.counters["flushed_dropped"] - dropped_before)
         if self.packer.add(segment):
-            self._samples[segment.sample_id] = sample
+            self.link.samples[segment.sample_id] = sample
 
     def _to_outbox(self, packs: list[Pack]) -> None:
         for pack in packs:
-            self._outbox.append(pack)
+            self.link.outbox.append(pack)
             self._window_packs.append(pack.n_tokens / self.packer.packing_length)
 
     # ------------------------------------------------------------------------------------ sending
 
     def _send(self) -> None:
-        while self._outbox and self._credits_fresh():
-            pack = self._outbox[0]
-            if self._is_stale(pack.ver):
-                self._outbox.popleft()
-                self.c["stale_dropped"] += len(pack.segments)
-                self._retry.extend(x for x in (self._samples.pop(s.sample_id, None) for s in pack.segments) if x is not None)
-                continue
-            if self.gate.room <= 0:
-                return
-            t0 = time.perf_counter()
-            seq = self.gate.next_seq
-            meta = {"rollout": self._pack_rollout_meta(pack), "actor_index": self.index}
-            frames = pack_to_frames(pack, self.actor_id, seq, meta=meta)
-            if not self.sender.send(frames, timeout_s=self.cfg.actor.send_timeout_s):
-                self.c["send_timeouts"] += 1
-                if self.c["send_timeouts"] % 20 == 1:
-                    log.warning("%s: %s", self.actor_id, self.sender.timeout_message(self.cfg.actor.send_timeout_s))
-                return
-            self.gate.on_sent()
-            self._outbox.popleft()
-            keys = [s.sample_id for s in pack.segments]
-            for k in keys:
-                self._samples.pop(k, None)
-            self.ledger.record(seq, pack.ver, keys)
-            self.c["packs_sent"] += 1
-            self.c["segments_sent"] += len(keys)
-            self.c["tokens_sent"] += pack.n_tokens
-            self._window_times["time/send"] += time.perf_counter() - t0
-            if self.cfg.actor.dump_pack_digests:
-                self._log({"event": "pack", "seq": seq, "ver": pack.ver, "keys": keys, "n_tokens": pack.n_tokens,
-                           "sha256": frame_digests(frames)})
-
-    def _pack_rollout_meta(self, pack: Pack) -> dict[str, float]:
-        """Rollout quality of the pack's own segments (sums) — what the learner logs next to the step."""
-        keys = ("n_pred", "n_gt", "n_matched", "parse_dropped", "parse_truncated", "invalid_rollout", "gating_rejections")
-        return {f"rollout/{k}": sum(int(s.meta.get(k, 0)) for s in pack.segments) for k in keys}
+        spent = self.link.send(requeue=self._retry.extend)
+        if spent is not None:
+            self._window_times["time/send"] += spent
 
     # ---------------------------------------------------------------------------------------- stop
 
@@ -402,29 +320,24 @@ class ActorLoop:
         """Finish in-flight rollouts, flush the packer, send what credits allow until acknowledged."""
         deadline = time.monotonic() + self.cfg.actor.stop_timeout_s
         log.info("%s: stopping (%d rollout batches in flight, %d buffered, %d packs in the outbox)",
-                 self.actor_id, len(self._inflight), self.packer.buffered, len(self._outbox))
+                 self.actor_id, len(self._inflight), self.packer.buffered, len(self.link.outbox))
         while self._inflight and time.monotonic() < deadline:
-            self._poll_credits()
+            self.link.poll()
             self._collect(timeout_s=TICK_S)
             self._send()
         self._to_outbox(self.packer.flush_all())
-        while (self._outbox or self.gate.in_transit) and time.monotonic() < deadline:
-            self._poll_credits()
+        while (self.link.outbox or self.gate.in_transit) and time.monotonic() < deadline:
+            self.link.poll()
             self._send()
             time.sleep(TICK_S)
-        for pack in self._outbox:
-            self.c["dropped_at_stop"] += len(pack.segments)
-        if self._outbox:
-            log.warning("%s: %d packs (%d segments) not sent within actor.stop_timeout_s=%.0fs", self.actor_id,
-                        len(self._outbox), self.c["dropped_at_stop"], self.cfg.actor.stop_timeout_s)
-        self._outbox.clear()
+        self.link.drop_unsent()
 
     # ------------------------------------------------------------------------------------- metrics
 
     def counters(self) -> dict[str, int]:
         """Cumulative ``actor/*`` counters including the conservation identity of the module docstring."""
         pc = self.packer.counters
-        outbox = sum(len(p.segments) for p in self._outbox)
+        outbox = self.link.outbox_segments()
         too_long = self.c["too_long_dropped"] + int(pc["too_long_dropped"])
         out = {
             "actor/samples_taken": self._taken,
@@ -477,14 +390,3 @@ class ActorLoop:
     def _log(self, record: dict[str, Any]) -> None:
         self._metrics_f.write(json.dumps(record) + "\n")
         self._metrics_f.flush()
-
-    def _learner_hint(self) -> str:
-        return f"torchrun --nproc_per_node={self.cfg.learner.nproc_per_node} learner/main.py --config {self.config_path}"
-
-
-def frame_digests(frames: list[Any]) -> dict[str, str]:
-    """sha256 of every tensor frame, keyed by tensor name (frame 0 is the msgpack header)."""
-    import msgpack
-
-    header = msgpack.unpackb(bytes(frames[0]), raw=False)
-    return {spec["name"]: hashlib.sha256(memoryview(f)).hexdigest() for spec, f in zip(header["tensors"], frames[1:])}

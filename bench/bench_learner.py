@@ -2,7 +2,7 @@
 
     python bench/bench_learner.py [--steps 12] [--warmup 2] [--ga 2] [--server URL] [--json out.json]
 
-One process, world size 1, the real learner (``learner.train.Learner``: model, Channel-A data,
+One process, world size 1, the real learner (``learner.rank.Learner``: model, Channel-A data,
 ready queue, decision, loss, optimizer, metrics), three phases on the same model:
 
   A          b_ratio 0: Channel-A window packs (per_device_train_batch_size 1 → one sample per pack)
@@ -76,6 +76,8 @@ def encoded_segments(encoder, data_dir: Path, n: int) -> list:
 
 
 def phase(learner, name: str, b_ratio: Fraction, steps: int, warmup: int, pool, interval_s: float | None) -> dict:
+    from learner.train import async_step
+
     stop = threading.Event()
     thread = None
     if interval_s is not None:
@@ -85,7 +87,7 @@ def phase(learner, name: str, b_ratio: Fraction, steps: int, warmup: int, pool, 
     first = learner.step
     try:
         for _ in range(warmup + steps):
-            learner.async_step()
+            async_step(learner)
     finally:
         stop.set()
         if thread is not None:
@@ -136,7 +138,7 @@ def main() -> int:
     from common.config import load_config
     from learner.distributed import Dist
     from learner.pack_queue import ReadyQueue
-    from learner.train import Learner
+    from learner.rank import Learner
     from common.synthetic import ensure_synthetic_data
     from tools.make_tiny_model import ensure_tiny_model
 

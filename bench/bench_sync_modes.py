@@ -48,7 +48,8 @@ def worker(args: argparse.Namespace) -> int:
     from common.config import load_config
     from learner.distributed import Dist
     from learner.pack_queue import ReadyQueue
-    from learner.train import Learner
+    from learner.rank import Learner
+    from learner.train import async_step
 
     cfg = load_config(args.config, [], world_size=int(os.environ.get("WORLD_SIZE", "1")))
     dist = Dist("gloo", cfg.learner.collective_timeout_s)
@@ -64,7 +65,7 @@ def worker(args: argparse.Namespace) -> int:
                 learner.sync.mode = mode  # the same on every rank, at the same step
                 first, t0 = learner.step, time.monotonic()
                 for _ in range(args.steps):
-                    learner.async_step()
+                    async_step(learner)
                 learner.settle_sync("end of the phase")  # overlap: the push in flight lands before blocking resumes
                 phases.append({"round": r, "mode": mode, "first": first, "end": learner.step,
                                "wall_s": time.monotonic() - t0})

@@ -30,8 +30,9 @@ import re
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from common.jsonl import iter_json_lines
 
 NUM_BINS = 1000
 MAX_BIN = NUM_BINS - 1
@@ -253,16 +254,10 @@ def load_record(obj: Any, *, where: str | None = None, default_coord_mode: str =
 
 def iter_jsonl(path: str | os.PathLike[str], *, default_coord_mode: str = "pixel") -> Iterator[Record]:
     """Records of a JSONL file in order; errors name ``file:line``. Blank lines are skipped."""
-    name = Path(path).name
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RecordError(f"{name}:{lineno}", "<line>", f"invalid JSON ({e})", "one object per line") from None
-            yield load_record(obj, where=f"{name}:{lineno}", default_coord_mode=default_coord_mode)
+    for line in iter_json_lines(path):
+        if line.error is not None:
+            raise RecordError(line.where, "<line>", line.error, "one object per line")
+        yield load_record(line.value, where=line.where, default_coord_mode=default_coord_mode)
 
 
 def canonical_order(objects: Iterable[GTObject]) -> list[GTObject]:

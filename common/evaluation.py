@@ -22,7 +22,6 @@ What this module does not know: torch, models, where the server runs. The tokeni
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from pydantic import ValidationError
 
 from common.assistant_json import DEFAULT_PROMPTS, Prompts, Record, RecordError, build_messages, load_record
 from common.detection_eval import DetectionReport, ImageResult, evaluate_detections, object_scores
+from common.jsonl import iter_json_lines
 from common.parsing import parse_rollout
 from common.protocol import HealthResponse, InferItem, InferRequest, InferResponse, SamplingParams
 
@@ -94,26 +94,22 @@ def load_eval_set(path: str | os.PathLike[str], *, max_images: int | None = None
     root = os.path.abspath(image_root if image_root is not None else Path(path).resolve().parent)
     name = Path(path).name
     out = EvalSet(path=path, image_root=root, records=[])
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if max_images is not None and len(out.records) >= max_images:
-                break
-            if not line.strip():
-                continue
-            where = f"{name}:{lineno}"
-            try:
-                rec = load_record(json.loads(line), where=where, default_coord_mode=default_coord_mode)
-            except json.JSONDecodeError as exc:
-                out.skipped.append(f"{where}: invalid JSON ({exc})")
-                continue
-            except RecordError as exc:
-                out.skipped.append(str(exc))
-                continue
-            missing = [p for p in rec.image_paths(root) if not os.path.isfile(p)]
-            if missing:
-                out.skipped.append(f"{where}: image not found: {missing[0]} (relative paths resolve against {root})")
-                continue
-            out.records.append(rec)
+    for line in iter_json_lines(path):
+        if max_images is not None and len(out.records) >= max_images:
+            break
+        if line.error is not None:
+            out.skipped.append(f"{line.where}: {line.error}")
+            continue
+        try:
+            rec = load_record(line.value, where=line.where, default_coord_mode=default_coord_mode)
+        except RecordError as exc:
+            out.skipped.append(str(exc))
+            continue
+        missing = [p for p in rec.image_paths(root) if not os.path.isfile(p)]
+        if missing:
+            out.skipped.append(f"{line.where}: image not found: {missing[0]} (relative paths resolve against {root})")
+            continue
+        out.records.append(rec)
     for s in out.skipped[:5]:
         log.warning("skipped %s", s)
     if len(out.skipped) > 5:

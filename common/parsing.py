@@ -1,14 +1,16 @@
 """Strict, token-aligned parsing of one rollout response (design section 3 step 2; origin section 2).
 
-The response is read through the tokenizer's own per-token pieces, never re-tokenised:
+The response is read through the tokenizer's own per-token pieces, never re-tokenised
+(:mod:`common.token_text` does the token level); this module scans and validates the text:
 
     token ids ──stop at <|im_end|>──► pieces (one decode per id, cached) ──join──► text + char offsets
-        │                                                                          │
+        │                                          (common.token_text.read_tokens)     │
         │                                       scanner: strings, {[ ]} stack, keys, objects,
         │                                       bbox arrays (coord tokens captured by id)
         ▼                                                                          ▼
     prefix_token_ids = the ids up to the `}` of the last complete object ◄── cut char (or after `{`)
-                       (the one token the cut falls inside is re-encoded and must decode back)
+                       (the one token the cut falls inside is re-encoded and must decode back;
+                        common.token_text.cut_tokens_at_char)
 
 Objects are then validated strictly and either kept (``valid_objects``, appearance order) or dropped
 into one of :data:`DROP_REASONS`. ``parse_rollout`` never raises on a token sequence: garbage,
@@ -28,22 +30,20 @@ Deviations from the origin, on purpose:
   - duplicate ``object_N`` keys are kept as separate objects (matching does not need the key).
   - ``poly`` geometry is dropped as ``unknown_geom`` (bbox-only v1, as origin Stage-2 AB does).
 
-What this module does not know: torch, models, matching, or what the objects are used for.
+What this module does not know: torch, models, matching, what the objects are used for, or how a
+tokenizer is decoded (common.token_text).
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
-import operator
 import re
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from common.assistant_json import IM_END, NUM_BINS, parse_coord_token
-from common.tokens import CoordTokenError, coord_token_ids
+from common.token_text import cut_tokens_at_char, read_tokens, tokenizer_table
 
 DROP_REASONS = (
     "key_invalid",
@@ -61,7 +61,6 @@ _STRUCTURAL = re.compile(r'[{}\[\]:,"]')
 _IN_STRING = re.compile(r'["\\]')
 _NON_SPACE = re.compile(r"\S")
 _OPENER = {"}": "{", "]": "["}
-_MAX_PARTIAL_RUN = 16  # tokens decoded together at most when repairing split multi-byte characters
 
 
 @dataclass(frozen=True)
@@ -102,150 +101,6 @@ class ParseResult:
     @property
     def n_valid(self) -> int:
         return len(self.valid_objects)
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-tokenizer decode tables (built lazily; a piece is decoded once per id per tokenizer)
-
-
-class _TokenizerTable:
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.pieces: dict[int, str | None] = {}  # None: this id does not decode
-        try:
-            self.vocab_size: int | None = int(len(tokenizer))
-        except TypeError:
-            self.vocab_size = getattr(tokenizer, "vocab_size", None)
-        self.open_brace_ids = [int(t) for t in tokenizer.encode("{", add_special_tokens=False)]
-        self.special: dict[str, int | None] = {}
-        self.coord_bins: dict[tuple[int, ...] | None, dict[int, int]] = {}
-        self._last_coord: tuple[Any, dict[int, int]] | None = None  # (the coord_ids object last asked for, its table)
-
-    def decode(self, ids: Sequence[int]) -> str | None:
-        try:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        except Exception:  # noqa: BLE001 - a tokenizer may raise anything on an id it does not know
-            return None
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
-
-    def token_id(self, token: str) -> int | None:
-        if token not in self.special:
-            tid = self.tokenizer.convert_tokens_to_ids(token)
-            unk_id = getattr(self.tokenizer, "unk_token_id", None)
-            is_unk = unk_id is not None and tid == unk_id and token != getattr(self.tokenizer, "unk_token", None)
-            self.special[token] = None if tid is None or is_unk else int(tid)
-        return self.special[token]
-
-    def coord_bin_of(self, coord_ids: Sequence[int] | None) -> dict[int, int]:
-        """id -> bin for the 1000 coord tokens (looked up and checked once per tokenizer)."""
-        last = self._last_coord
-        if last is not None and last[0] is coord_ids:  # hot path: callers pass the same list every time
-            return last[1]
-        key = None if coord_ids is None else tuple(int(i) for i in coord_ids)
-        if key not in self.coord_bins:
-            ids = key if key is not None else coord_token_ids(self.tokenizer)
-            if len(ids) != NUM_BINS or len(set(ids)) != NUM_BINS:
-                raise CoordTokenError(f"coord_ids must be {NUM_BINS} distinct ids in bin order, got {len(ids)}")
-            self.coord_bins[key] = {tid: k for k, tid in enumerate(ids)}
-        self._last_coord = (coord_ids, self.coord_bins[key])  # holds coord_ids, so its identity stays unique
-        return self.coord_bins[key]
-
-    def pieces_of(self, ids: list[int]) -> list[str | None]:
-        missing = {t for t in ids if t not in self.pieces}
-        if missing:
-            self._fill(missing)
-        return [self.pieces[t] for t in ids]
-
-    def _fill(self, missing: set[int]) -> None:
-        todo = []
-        for t in missing:
-            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
-                self.pieces[t] = None
-            else:
-                todo.append(t)
-        if not todo:
-            return
-        try:
-            texts = self.tokenizer.batch_decode(
-                [[t] for t in todo], skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-            if len(texts) != len(todo):
-                raise ValueError("batch_decode returned the wrong number of texts")
-        except Exception:  # noqa: BLE001 - fall back to one decode per id, each guarded
-            texts = [self.decode([t]) for t in todo]
-        for t, text in zip(todo, texts):
-            self.pieces[t] = text if isinstance(text, str) else None
-
-
-_TABLES: "weakref.WeakKeyDictionary[Any, _TokenizerTable]" = weakref.WeakKeyDictionary()
-_TABLES_BY_ID: dict[int, _TokenizerTable] = {}  # tokenizers that cannot be weakly referenced
-
-
-def tokenizer_table(tokenizer: Any) -> _TokenizerTable:
-    """The cached decode table of ``tokenizer`` (shared with :mod:`common.targets`)."""
-    try:
-        table = _TABLES.get(tokenizer)
-        if table is None:
-            table = _TABLES[tokenizer] = _TokenizerTable(tokenizer)
-        return table
-    except TypeError:
-        table = _TABLES_BY_ID.get(id(tokenizer))
-        if table is None or table.tokenizer is not tokenizer:
-            table = _TABLES_BY_ID[id(tokenizer)] = _TokenizerTable(tokenizer)
-        return table
-
-
-def _as_ids(token_ids: Any) -> list[int]:
-    """Integers, with anything that is not one mapped to -1 (out of vocabulary)."""
-    if hasattr(token_ids, "tolist"):  # numpy / torch
-        token_ids = token_ids.tolist()
-    try:
-        items = list(token_ids)
-    except TypeError:
-        return []
-    if all(type(t) is int for t in items):
-        return items
-    out = []
-    for t in items:
-        try:
-            out.append(operator.index(t))
-        except TypeError:
-            out.append(-1)
-    return out
-
-
-def _repair_split_characters(table: _TokenizerTable, ids: list[int], pieces: list[str]) -> None:
-    """Give each multi-byte character to the token that completes it (in place).
-
-    A byte-level BPE token can hold part of a UTF-8 character; decoded alone it is U+FFFD. Runs of
-    such tokens are decoded incrementally: a token whose running decode still ends in U+FFFD gets
-    the empty piece and the next token takes the text.
-    """
-    n, i = len(pieces), 0
-    while i < n:
-        if "\ufffd" not in pieces[i]:
-            i += 1
-            continue
-        start, emitted, k, new = i, "", i, {}
-        while k < n:
-            cur = table.decode(ids[start : k + 1])
-            if cur is None or not cur.startswith(emitted):
-                new = None
-                break
-            if cur.endswith("\ufffd") and k + 1 < n and k - start < _MAX_PARTIAL_RUN:
-                new[k] = ""
-                k += 1
-                continue
-            new[k], emitted = cur[len(emitted) :], cur
-            k += 1
-            if cur.endswith("\ufffd") or k >= n or "\ufffd" not in pieces[k]:
-                break
-        if new is not None and len(new) == k - start:
-            for j, p in new.items():
-                pieces[j] = p
-        i = max(k, i + 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,48 +239,6 @@ def _scan(text: str, end: int) -> _Scan:
 
 
 # ----------------------------------------------------------------------------------------------
-# Prefix cut
-
-
-def cut_tokens_at_char(
-    token_ids: Sequence[int],
-    pieces: Sequence[str],
-    cut: int,
-    tokenizer: Any,
-    starts: Sequence[int] | None = None,
-) -> tuple[list[int], bool] | None:
-    """Token ids whose decode is ``"".join(pieces)[:cut]``, or None when that cannot be had.
-
-    Tokens that end at or before ``cut`` are kept verbatim. If ``cut`` falls inside a token (a
-    fused ``}},`` or ``},``), only that token is replaced by ``encode(its text before the cut)``,
-    which must decode back exactly. Returns (ids, whether a token was re-encoded). ``starts``
-    (char start of each piece plus the total length) is computed when not given.
-    """
-    table = tokenizer_table(tokenizer)
-    n = len(pieces)
-    if starts is None:
-        starts = [0, *itertools.accumulate(len(p) for p in pieces)]
-    k = bisect.bisect_right(starts, cut, 1) - 1  # tokens [0, k) end at or before the cut
-    pos = starts[k]
-    if k >= n and pos < cut:
-        return None
-    # Empty pieces just before token k hold bytes of the character that token k completes.
-    g = k
-    while 0 < g and k < n and pieces[g - 1] == "":
-        g -= 1
-    if pos == cut:
-        return list(token_ids[:g]), False
-    tail_text = "".join(pieces[g : k + 1])[: cut - pos]
-    try:
-        tail = table.encode(tail_text)
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it is a failed cut
-        return None
-    if not tail or table.decode(tail) != tail_text:
-        return None
-    return list(token_ids[:g]) + tail, True
-
-
-# ----------------------------------------------------------------------------------------------
 # Validation
 
 
@@ -506,19 +319,9 @@ def parse_rollout(
     """
     table = tokenizer_table(tokenizer)
     coord_bin = table.coord_bin_of(coord_ids)
-    im_end_id = table.token_id(im_end_token)
-
-    ids = _as_ids(token_ids)
-    if im_end_id is not None and im_end_id in ids:
-        ids = ids[: ids.index(im_end_id)]
-    raw_pieces = table.pieces_of(ids)
-    n_oov = sum(p is None for p in raw_pieces)
-    usable = raw_pieces.index(None) if n_oov else len(ids)
-    pieces: list[str] = raw_pieces[:usable]  # type: ignore[assignment]
-    if any("\ufffd" in p for p in pieces):
-        _repair_split_characters(table, ids, pieces)
-    text = "".join(pieces)
-    starts = [0, *itertools.accumulate(map(len, pieces))]
+    read = read_tokens(table, token_ids, table.token_id(im_end_token))
+    ids, pieces, text, starts = read.ids, read.pieces, read.text, read.starts
+    usable = len(pieces)
     stop = text.find(im_end_token)  # a turn end spelled by ordinary tokens also ends the turn
     scan = _scan(text, len(text) if stop < 0 else stop)
 
@@ -562,6 +365,6 @@ def parse_rollout(
         truncated=True if fallback else scan.truncated,
         max_object_index=max_index,
         invalid_rollout=fallback or not any_complete,
-        n_out_of_vocab=n_oov,
+        n_out_of_vocab=read.n_out_of_vocab,
         prefix_reencoded=reencoded,
     )

@@ -22,16 +22,17 @@ What this module does not know: tokens, models, or how records are serialised fo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from common import cli
+from common.build_dir import build_once
 
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
@@ -236,8 +237,8 @@ def generate(
     """Write the dataset under ``out_dir`` (unless already there with the same parameters) and
     return the path of ``train.jsonl``. ``split`` = (train, val) counts, default :func:`default_split`.
 
-    Safe against a concurrent call with the same arguments: each writes a private folder and renames
-    it into place; the loser discards its copy. A folder without our manifest is never deleted.
+    Built once and atomically (:func:`common.build_dir.build_once`): a folder without our manifest is
+    never deleted, and a concurrent call with the same arguments is safe.
     """
     out = Path(out_dir)
     n_train, n_val = split if split is not None else default_split(n)
@@ -248,25 +249,8 @@ def generate(
     if len(size_range) != 2 or not 0 < size_range[0] <= size_range[1] <= 1:
         raise ValueError(f"size_range must be (low, high) with 0 < low <= high <= 1, got {tuple(size_range)}")
     params = _params(n_train, n_val, seed, sides, max_objects, size_range)
-    if not force and _is_complete(out, params):
-        return out / "train.jsonl"
-    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and was not written by common.synthetic; pick another --out")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _write(tmp, n_train, n_val, seed, sides, max_objects, size_range)
-        if not force and _is_complete(out, params):  # a concurrent call finished first
-            return out / "train.jsonl"
-        if out.exists():
-            shutil.rmtree(out)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not _is_complete(out, params):  # someone else renamed a different dataset in
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_once(out, marker=MANIFEST, is_built=lambda d: _is_complete(d, params), owner="common.synthetic",
+               write=lambda tmp: _write(tmp, n_train, n_val, seed, sides, max_objects, size_range), force=force)
     return out / "train.jsonl"
 
 
@@ -276,7 +260,7 @@ def ensure_synthetic_data(path: str | os.PathLike[str] = "artifacts/data/synth",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.synthetic", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m common.synthetic", __doc__)
     parser.add_argument("--out", default="artifacts/data/synth", help="output folder (default: %(default)s)")
     parser.add_argument("--n", type=int, default=64, help="number of records, train + val (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default: %(default)s)")

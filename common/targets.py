@@ -35,7 +35,8 @@ import numpy as np
 
 from common.assistant_json import IM_END, GTObject, serialize_objects
 from common.matching import MatchResult
-from common.parsing import ParseResult, ParsedObject, parse_rollout, tokenizer_table
+from common.parsing import ParseResult, ParsedObject, parse_rollout
+from common.token_text import tokenizer_table
 
 
 class TargetError(ValueError):
@@ -77,7 +78,7 @@ def _tokens_overlapping(starts: Sequence[int], span: tuple[int, int]) -> range:
     """Token indices whose characters overlap ``[span)``; ``starts`` has one extra end entry.
 
     Empty-piece tokens at the span start are included: they hold the first bytes of a multi-byte
-    character that the next token completes (see ``common.parsing``).
+    character that the next token completes (see ``common.token_text``).
     """
     lo, hi = span
     if hi <= lo:

@@ -18,7 +18,7 @@ its socket eagerly and does drop-oldest in its own counted deque (design section
 state, not events: a subscriber only ever wants the newest, so losing one is harmless.
 
 What this module does not know: what a pack contains (``common.wire`` codes it), torch, or
-the credit policy (``actor/loop.py``). It imports pyzmq and the stdlib only.
+the credit policy (``actor/credits.py``). It imports pyzmq and the stdlib only.
 """
 
 from __future__ import annotations

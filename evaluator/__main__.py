@@ -1,96 +1,16 @@
 """``python -m evaluator --model DIR | --checkpoint RUN/checkpoints/N --data VAL.jsonl --out OUT_DIR [...]``
 
-Parses and checks the arguments (every problem reported at once, each naming the flag and the
-fix), then imports the heavy parts (httpx, transformers' tokenizer, pycocotools) and calls
-``evaluator.run.run``. Exit codes: 0 ok, 1 runtime failure, 2 bad arguments.
+Parses and checks the arguments (``evaluator/args.py``: every problem reported at once, each naming
+the flag and the fix), then imports the heavy parts (httpx, transformers' tokenizer, pycocotools) and
+calls ``evaluator.run.run``. Exit codes: 0 ok, 1 runtime failure, 2 bad arguments.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = "configs/demo_cpu.yaml"
-MAX_TOKENS = 32768  # common.protocol.MAX_TOKENS_LIMIT (not imported: --help stays instant)
-MAX_BATCH = 1024  # common.protocol.MAX_BATCH
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m evaluator", description=__doc__.split("\n\n")[0].strip("`"))
-    ap.add_argument("--model", help="HF model directory (tokenizer + weights the own server loads)")
-    ap.add_argument("--checkpoint", help="a learner checkpoint RUN/checkpoints/<step> (its model/ is used)")
-    ap.add_argument("--data", help="validation JSONL (design section 2 records)")
-    ap.add_argument("--out", help="output directory for report.json, predictions.png, rollout_server.log")
-    ap.add_argument("--url", help="use this running rollout server instead of starting one (its weights, its ver)")
-    ap.add_argument("--max-images", type=int, default=None, help="evaluate the first N valid records (default all)")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="generation cap per image (default 256)")
-    ap.add_argument("--batch-size", type=int, default=8, help="images per /infer request (default 8)")
-    ap.add_argument("--grid", type=int, default=12, help="images drawn in predictions.png (0 = no drawing)")
-    ap.add_argument("--image-root", default=None, help="root of relative image paths (default: the JSONL's folder)")
-    ap.add_argument("--config", default=DEFAULT_CONFIG, help=f"config for the own server and the prompts the model was trained with, data.system_prompt / "
-                    f"data.user_prompt (default {DEFAULT_CONFIG})")
-    ap.add_argument("--server-timeout", type=float, default=180.0, help="seconds to wait for GET /health 200")
-    ap.add_argument("--infer-timeout", type=float, default=600.0, help="seconds one /infer batch may take")
-    ap.add_argument("--overwrite", action="store_true", help="allow an --out that already holds a report.json")
-    return ap
-
-
-def model_dir_of(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
-    """The model directory --model/--checkpoint names, or the problems with them."""
-    if bool(args.model) == bool(args.checkpoint):
-        return None, ["give exactly one of --model DIR (an HF model directory, e.g. artifacts/tiny-model) or "
-                      "--checkpoint RUN/checkpoints/<step>"]
-    if args.model:
-        path = Path(args.model)
-        if (path / "config.json").is_file():
-            return path.resolve(), []
-        return None, [f"--model {args.model}: no config.json there. Fix: point it at an HF model directory "
-                      "(the tiny one is built by `make tiny-model`), or use --checkpoint for a training checkpoint"]
-    ckpt = Path(args.checkpoint)
-    for candidate in (ckpt / "model", ckpt):
-        if (candidate / "config.json").is_file():
-            return candidate.resolve(), []
-    return None, [f"--checkpoint {args.checkpoint}: neither {ckpt / 'model'} nor {ckpt} holds a config.json. Fix: "
-                  "pass a checkpoint directory RUN/checkpoints/<step> (list them with `ls RUN/checkpoints`)"]
-
-
-def check_args(args: argparse.Namespace) -> list[str]:
-    """Every problem with the arguments, each naming the flag and the fix (fills args.model_dir, args.config)."""
-    args.model_dir, problems = model_dir_of(args)
-    if not args.data:
-        problems.append("--data is required: the validation JSONL, e.g. --data artifacts/data/synth/val.jsonl "
-                        "(built by `make data`)")
-    elif not Path(args.data).is_file():
-        problems.append(f"--data {args.data}: no such file. Fix: pass the validation JSONL (e.g. data.val_jsonl)")
-    if not args.out:
-        problems.append("--out is required: a directory for report.json and predictions.png, e.g. --out runs/eval")
-    elif (Path(args.out) / "report.json").exists() and not args.overwrite:
-        problems.append(f"--out {args.out} already holds a report.json. Fix: choose a new --out, or pass --overwrite")
-    for flag, value, low, high in (("--max-new-tokens", args.max_new_tokens, 1, MAX_TOKENS),
-                                   ("--batch-size", args.batch_size, 1, MAX_BATCH), ("--grid", args.grid, 0, 64)):
-        if not low <= value <= high:
-            problems.append(f"{flag} {value}: must be in {low}..{high}")
-    if args.max_images is not None and args.max_images < 1:
-        problems.append(f"--max-images {args.max_images}: must be >= 1 (leave it out to evaluate every record)")
-    for flag, value in (("--server-timeout", args.server_timeout), ("--infer-timeout", args.infer_timeout)):
-        if not value > 0:
-            problems.append(f"{flag} {value}: must be > 0 seconds")
-    if args.url:
-        if not args.url.startswith(("http://", "https://")):
-            problems.append(f"--url {args.url}: not an HTTP URL. Fix: e.g. --url http://127.0.0.1:8310")
-    else:
-        config = Path(args.config)
-        if not config.is_file() and args.config == DEFAULT_CONFIG and (REPO / DEFAULT_CONFIG).is_file():
-            config = REPO / DEFAULT_CONFIG
-        if config.is_file():
-            args.config = str(config.resolve())
-        else:
-            problems.append(f"--config {args.config}: no such file. Fix: pass the YAML config the own rollout server "
-                            "starts from (e.g. configs/demo_cpu.yaml), or --url for a running server")
-    return problems
+from common import cli
+from evaluator.args import MAX_BATCH, MAX_TOKENS, build_parser, check_args  # noqa: F401 - limits re-exported
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,10 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_args(args)
     if problems:
         print("evaluator: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [evaluator %(process)d] %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /health poll otherwise
+        return cli.EXIT_USAGE
+    cli.setup_process("evaluator")
     from evaluator.run import run  # deferred: httpx, transformers' tokenizer, pycocotools
 
     return run(args)

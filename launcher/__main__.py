@@ -7,50 +7,45 @@ everything down when any process dies, then prints the run summary and writes th
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 from pathlib import Path
 
+from common import cli
+from launcher.plan import PlanError, build_plan  # light: the config schema, no torch
+
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
+    ap = cli.config_parser("python -m launcher", "The whole topology (rollout server, learner, actors), supervised.")
     ap.add_argument("--dry-run", action="store_true", help="validate and print the commands, start nothing")
     ap.add_argument("--no-server", action="store_true", help="use already running rollout servers")
     ap.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM → SIGKILL grace at teardown")
-    args, overrides = ap.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-    from common.config import ConfigError, load_config
-    from launcher.plan import PlanError, build_plan
-
+    args = ap.parse_args(argv)
+    cli.setup_process("launcher")
+    if (cfg := cli.load(args.config, args.overrides)) is None:
+        return cli.EXIT_USAGE
+    out = Path(cfg.training.output_dir)
     try:
-        cfg = load_config(args.config, overrides)
-        out = Path(cfg.training.output_dir)
-        specs = build_plan(cfg, args.config, overrides, out / "logs", start_server=not args.no_server)
-    except (ConfigError, PlanError) as exc:
+        specs = build_plan(cfg, args.config, args.overrides, out / "logs", start_server=not args.no_server)
+    except PlanError as exc:
         print(f"launcher: {exc}", file=sys.stderr)
-        return 2
+        return cli.EXIT_USAGE
     print(f"tandem launcher: {len(specs)} processes, output in {out}")
     for spec in specs:
         print(f"  [{spec.name}] {spec.shell()}")
     if args.dry_run:
         return 0
-
     from launcher.summary import print_summary
     from launcher.supervisor import Supervisor
 
-    for stale in (out / "metrics.jsonl",):
-        if stale.exists() and not cfg.training.resume:
-            stale.unlink()  # a fresh run's metrics start empty; resumed runs append
+    if not cfg.training.resume:
+        (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run's metrics start empty; resumed runs append
     sup = Supervisor(specs, health_timeout_s=cfg.rollout_matching.vllm.timeout_s, grace_s=args.grace_s)
     t0 = time.monotonic()
     code = sup.run()
-    wall = time.monotonic() - t0
     sup.write_record(out / "processes.json")
-    print_summary(out, wall_s=wall, exit_codes=sup.exit_codes())
+    print_summary(out, wall_s=time.monotonic() - t0, exit_codes=sup.exit_codes())
     try:
         from launcher.plot import plot_run
 

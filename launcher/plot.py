@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common import cli
 from common.matching import precision_recall_f1
 from launcher.summary import K, read_split
 
@@ -149,6 +150,13 @@ def _eval_panel(ax: Any, evals: list[dict[str, Any]]) -> None:
     ax.set_ylim(0, 1.05); ax.set_title(EVAL_TITLE); ax.set_xlabel("optimizer step")
 
 
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser("python -m launcher.plot", __doc__)
+    ap.add_argument("run_dir", nargs="?", default="runs/demo", help="a run's output_dir (default: %(default)s)")
+    for png in plot_run(ap.parse_args(argv).run_dir):
+        print(png)
+    return 0
+
+
 if __name__ == "__main__":
-    for p in plot_run(sys.argv[1] if len(sys.argv) > 1 else "runs/demo"):
-        print(p)
+    sys.exit(main())

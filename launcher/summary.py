@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
+from common import cli
 from common.matching import precision_recall_f1
 
 K = "stage2_ab/async/"
@@ -271,7 +273,12 @@ def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[s
     return s
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser("python -m launcher.summary", __doc__)
+    ap.add_argument("run_dir", nargs="?", default="runs/demo", help="a run's output_dir (default: %(default)s)")
+    print_summary(Path(ap.parse_args(argv).run_dir))
+    return 0
 
-    print_summary(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/demo"))
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,12 +17,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from common.tensors.ranks import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -38,36 +39,22 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Dist:
+class Dist(RankGroup):
     """Rank facts plus the collectives the learner uses, each with a deadline and a named purpose."""
 
     def __init__(self, backend: str = "auto", timeout_s: float = 600.0) -> None:
-        self.world_size = env_world_size()
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        super().__init__(timeout_s, knob="learner.collective_timeout_s")
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.backend = backend
-        self.timeout_s = float(timeout_s)
         if backend == "nccl":
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        self.initialized = False
-        if self.world_size > 1:
-            dist.init_process_group(
-                backend=backend, timeout=datetime.timedelta(seconds=self.timeout_s),
-                device_id=self.device if backend == "nccl" else None,
-            )
-            self.initialized = True
-        self.where = f"rank {self.rank}/{self.world_size} on {socket.gethostname()} pid {os.getpid()}"
+        self.join(backend, self.device if backend == "nccl" else None)
         # Collective tensors live where the backend can reach them (NCCL: the GPU; gloo: CPU).
         self._cdev = self.device if backend == "nccl" else torch.device("cpu")
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -78,11 +65,7 @@ class Dist:
             raise CollectiveTimeout(self._message(what, "wait returned False"))
 
     def _message(self, what: str, cause: Any) -> str:
-        return (
-            f"{self.where}: {what} did not complete within learner.collective_timeout_s={self.timeout_s:.0f}s "
-            f"({cause}). Likely cause: another rank died or is stuck elsewhere (see its log; every rank must "
-            f"run the same steps). Restart with: {LAUNCH_HINT}"
-        )
+        return self.failure(what, cause, f"Restart with: {LAUNCH_HINT}")
 
     def barrier(self, what: str) -> None:
         """Wait for every rank; ``what`` names the point (e.g. ``"sync barrier before push, step 12"``)."""
@@ -112,8 +95,3 @@ class Dist:
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         self._wait(dist.all_gather(out, t, async_op=True), what)
         return [o.cpu().tolist() for o in out]
-
-    def close(self) -> None:
-        if self.initialized and dist.is_initialized():
-            dist.destroy_process_group()
-            self.initialized = False

@@ -2,7 +2,7 @@
 
 ::
 
-    boundary before step s (after the weight sync; learner/train.py maybe_sync)
+    boundary before step s (after the weight sync; learner/rank.py maybe_sync)
       s == 0 or s % training.eval_every_steps == 0 (the first boundary from then whose push committed),
       and no evaluation running?
         rank 0: start a thread ─► common.evaluation.evaluate_records(val records, HttpInfer(min_ver=ver))
@@ -76,7 +76,7 @@ class PeriodicEval:
     def maybe_start(self, step: int, ver: int) -> None:
         """Evaluate ``ver`` (the learner's, just committed on the server) at the boundary before ``step``.
 
-        The caller decides when (learner/train.py: the first committed push at or after each due step)."""
+        The caller decides when (learner/rank.py: the first committed push at or after each due step)."""
         if not self.enabled:
             return
         if self.busy:

@@ -140,7 +140,7 @@ def forward_rows(model: torch.nn.Module, inputs: PackInputs) -> torch.Tensor:
 
     A pack without images (not made by tandem's actors, whose records always carry one, but valid on
     the wire) would leave the vision tower without gradients, and DDP (``find_unused_parameters``
-    off: learner/train.py) would fail the next step. So under autograd such a pack adds 0 × a tiny
+    off: learner/rank.py) would fail the next step. So under autograd such a pack adds 0 × a tiny
     vision forward (:func:`zero_vision_term`): the logits are unchanged, every vision parameter gets a
     zero gradient.
     """

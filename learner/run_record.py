@@ -45,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: How every process turns ``training.seed`` into its own randomness (mirrors the code named in each rule).
 SEEDING_RULES = {
-    "learner": "torch.manual_seed(training.seed) on every rank at start (learner/train.py); a resume "
+    "learner": "torch.manual_seed(training.seed) on every rank at start (learner/rank.py); a resume "
                "restores each rank's python/numpy/torch RNG states from the checkpoint's rng_rank<r>.pt",
     "channel_a_order": "torch DistributedSampler(num_replicas=world_size, rank, shuffle=True, "
                        "seed=training.seed, drop_last=True).set_epoch(epoch) (learner/data.py)",

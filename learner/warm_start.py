@@ -26,17 +26,18 @@ scores the result).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from common import cli
+from common.build_dir import build_once
 
 BUILDER_VERSION = 1
 BUILD_FILE = "tandem_build.json"
@@ -176,7 +177,7 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
 def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, bool]:
     """The warm-started model at ``out`` (built unless it already holds this build); returns (path, built_now).
 
-    Builds into a private sibling folder and renames it into place, so a concurrent caller or a killed
+    Built once and atomically (:func:`common.build_dir.build_once`): a concurrent caller or a killed
     build never leaves a half-written model; a folder this command did not write is never replaced.
     """
     out = Path(out)
@@ -185,43 +186,28 @@ def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = Fa
         return out, False
     if out.resolve() == Path(cfg.model.path).resolve():
         raise FileExistsError(f"--out {out} is model.path itself; write the warm start to a new directory")
-    if out.exists() and not (out / BUILD_FILE).is_file() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and was not written by learner.warm_start; pick another --out")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         result = train(cfg, tmp)
         (tmp / BUILD_FILE).write_text(json.dumps({"params": params, "result": result}, indent=1) + "\n")  # last
-        if not force and is_built(out, params):  # a concurrent build finished first
-            return out, False
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out, True
+
+    return build_once(out, marker=BUILD_FILE, is_built=lambda d: is_built(d, params), write=write,
+                      owner="learner.warm_start", force=force)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m learner.warm_start", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="YAML config (e.g. configs/warm_start_cpu.yaml)")
+    parser = cli.config_parser("python -m learner.warm_start", __doc__,
+                               config_help="YAML config (e.g. configs/warm_start_cpu.yaml)")
     parser.add_argument("--out", required=True, help="directory of the warm-started model (created)")
     parser.add_argument("--force", action="store_true", help="rebuild even if --out holds this build")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=100")
     args = parser.parse_args(argv)
-    from common.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides, world_size=1)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+    if (cfg := cli.load(args.config, args.overrides, world_size=1)) is None:
+        return cli.EXIT_USAGE
     if problems := check_config(cfg):
         print(f"{len(problems)} problem(s) in {args.config} for a warm start:\n  - " + "\n  - ".join(problems),
               file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s warm_start %(levelname)s %(message)s")
+        return cli.EXIT_USAGE
+    cli.setup_process("warm_start")
     try:
         path, built = ensure_warm_start(cfg, args.out, force=args.force)
     except FileExistsError as err:

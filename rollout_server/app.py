@@ -58,8 +58,9 @@ from common.protocol import (
 )
 from rollout_server.engines.base import Engine, EngineInputError
 from rollout_server.errors import ApiError
+from rollout_server.fence import AdmissionTimeout, Fence
 from rollout_server.metrics import RequestCounter, ServerMetrics
-from rollout_server.sync import AdmissionTimeout, Fence, SyncController
+from rollout_server.sync import SyncController
 
 log = logging.getLogger(__name__)
 

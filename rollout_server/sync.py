@@ -1,12 +1,8 @@
-"""The sync fence and the version counter (design section 4), owned by the rollout server.
+"""The weight-sync session state machine behind ``/sync/*`` (design section 4), owned by the rollout server.
 
-Two pieces:
-
-* :class:`Fence` — an asyncio admission gate. Readers are /infer batches (``Fence.run``), the
-  writer is a weight sync. Each admitted batch holds a ticket carrying the ``ver`` it was admitted
-  under; the fence never lets a commit happen while a ticket is out, so that ``ver`` is exact for
-  the whole batch.
-* :class:`SyncController` — the session state machine behind ``/sync/*``; one client at a time.
+:class:`SyncController` serves one sync client at a time. It closes the admission gate
+(:class:`rollout_server.fence.Fence`) while new weights arrive and reopens it under the next ``ver``
+once they are committed (a session that fails reopens it under the old ``ver``).
 
 State machine (``SyncState``), with what unblocks each wait::
 
@@ -19,13 +15,8 @@ State machine (``SyncState``), with what unblocks each wait::
            idle timeout (rollout_server.sync_idle_timeout_s) or session deadline:
            staged weights dropped, old weights and old ver kept, admission reopens
 
-``abort`` fence mode: a cancelled batch is re-run by the server after the fence reopens, under the
-new ``ver``; the client just sees a slower success (no ``finish_reason: abort`` ever leaves the
-server). An abort of a request that had already produced its outputs is a no-op: the batch keeps
-its old ``ver``.
-
-What this module does not know: HTTP (routes call it with protocol models) or how an engine stores
-weights (it calls the Engine interface).
+What this module does not know: HTTP (routes call it with protocol models), how an engine stores
+weights (it calls the Engine interface), or how /infer batches are admitted and re-run (the fence).
 """
 
 from __future__ import annotations
@@ -35,9 +26,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from common.protocol import (
     SyncAbortRequest,
@@ -55,129 +45,9 @@ from common.protocol import (
 from common.tensors import weights as W
 from rollout_server.engines.base import Engine, WeightUpdateError
 from rollout_server.errors import ApiError
+from rollout_server.fence import Fence
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class AdmissionTimeout(Exception):
-    """An /infer call waited longer than ``rollout_server.admission_timeout_s`` at the fence."""
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One admitted batch: the ``ver`` it runs under and the task computing it."""
-
-    ver: int
-    admitted_at: float
-    task: asyncio.Future | None = None
-    aborted: bool = False
-
-
-class Fence:
-    """Admission gate: many batches in flight, or one weight sync, never both.
-
-    ``run(work)`` waits while the gate is closed (or until ``ver >= min_ver``), then runs
-    ``work()`` holding a ticket. ``close()`` stops new admissions; ``wait_quiet()`` is unblocked
-    by the last ticket's release; ``open(ver)`` sets the new version and wakes the waiters in one
-    step, so nobody is admitted under a stale ``ver``.
-    """
-
-    def __init__(self, ver: int = 0, on_wait: Callable[[float], None] | None = None) -> None:
-        self.ver = ver
-        self.reruns = 0
-        self.waiting = 0
-        self._open = True
-        self._cond = asyncio.Condition()
-        self._inflight: set[Ticket] = set()
-        self._quiet = asyncio.Event()
-        self._quiet.set()
-        self._on_wait = on_wait
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
-    def inflight(self) -> int:
-        return len(self._inflight)
-
-    async def run(self, work: Callable[[], Awaitable[T]], *, min_ver: int | None = None,
-                  timeout_s: float = 600.0) -> tuple[Ticket, T]:
-        """Run ``work()`` under an admission ticket; re-run it if an abort-mode fence cuts it."""
-        while True:
-            ticket = await self._admit(min_ver, timeout_s)
-            try:
-                task = asyncio.ensure_future(work())
-                ticket.task = task
-                try:
-                    result = await task
-                except asyncio.CancelledError:
-                    me = asyncio.current_task()
-                    if ticket.aborted and (me is None or not me.cancelling()):
-                        self.reruns += 1
-                        continue  # cut by the fence, not by our caller: wait for the gate, run again
-                    raise
-                return ticket, result
-            finally:
-                self._release(ticket)
-
-    async def _admit(self, min_ver: int | None, timeout_s: float) -> Ticket:
-        def admissible() -> bool:
-            return self._open and (min_ver is None or self.ver >= min_ver)
-
-        async with self._cond:
-            if not admissible():
-                self.waiting += 1
-                t0 = time.monotonic()
-                try:
-                    await asyncio.wait_for(self._cond.wait_for(admissible), timeout=timeout_s)
-                except TimeoutError:
-                    why = "the sync fence to reopen" if not self._open else f"ver >= {min_ver} (now {self.ver})"
-                    raise AdmissionTimeout(f"waited {timeout_s:.0f}s for {why}") from None
-                finally:
-                    self.waiting -= 1
-                    if self._on_wait is not None:
-                        self._on_wait(time.monotonic() - t0)
-            ticket = Ticket(ver=self.ver, admitted_at=time.monotonic())
-            self._inflight.add(ticket)
-            self._quiet.clear()
-            return ticket
-
-    def _release(self, ticket: Ticket) -> None:
-        self._inflight.discard(ticket)
-        if not self._inflight:
-            self._quiet.set()
-
-    async def close(self) -> int:
-        """Stop admitting; returns the batches in flight at that moment."""
-        async with self._cond:
-            self._open = False
-            return len(self._inflight)
-
-    def abort_inflight(self) -> int:
-        """Cancel every running batch (they re-run after :meth:`open`); returns how many."""
-        n = 0
-        for ticket in list(self._inflight):
-            if ticket.task is not None and not ticket.task.done():
-                ticket.aborted = True
-                ticket.task.cancel()
-                n += 1
-        return n
-
-    async def wait_quiet(self, timeout_s: float) -> None:
-        """Return once no batch holds a ticket; TimeoutError after ``timeout_s``."""
-        await asyncio.wait_for(self._quiet.wait(), timeout=timeout_s)
-
-    async def open(self, ver: int | None = None) -> None:
-        """Set ``ver`` (if given) and reopen admission, atomically for waiters."""
-        async with self._cond:
-            if ver is not None:
-                if ver < self.ver:
-                    raise ValueError(f"ver must not go back ({self.ver} -> {ver})")
-                self.ver = ver
-            self._open = True
-            self._cond.notify_all()
 
 
 @dataclass(eq=False)

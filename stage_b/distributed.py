@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import random
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from common.tensors.ranks import RankGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,31 +127,24 @@ class Command:
     payload: Any = None  # the guidance snapshot for "rollout"; the reason for "abort"
 
 
-class Comm:
-    """The run's process group (or its single-process stand-in)."""
+class Comm(RankGroup):
+    """The run's process group (or its single-process stand-in): object collectives on gloo."""
 
-    def __init__(self, rank: int, world: int, local_rank: int, timeout_s: float) -> None:
-        self.rank, self.world, self.local_rank, self.timeout_s = rank, world, local_rank, timeout_s
-        self._dist = None
+    _dist: Any = None  # torch.distributed once joined; None = a world of one (collectives are the identity)
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(timeout_s, knob="runner.collective_timeout_s")
+        self.world = self.world_size
 
     @classmethod
     def from_env(cls, timeout_s: float) -> "Comm":
         """Join the torchrun group (env://, gloo, ``timeout_s`` on every collective), or run alone."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-        comm = cls(rank, world, local_rank, timeout_s)
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        comm = cls(timeout_s)
+        comm.join("gloo")
+        if comm.initialized:
             comm._dist = dist
-            log.info("stage-b rank %d/%d joined (gloo, collective timeout %.0fs)", rank, world, timeout_s)
+            log.info("stage-b rank %d/%d joined (gloo, collective timeout %.0fs)", comm.rank, comm.world, timeout_s)
         return comm
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     def close(self) -> None:
         """Leave the group. First a monitored barrier (gloo, at most :data:`CLOSE_BARRIER_S`): a rank that
@@ -161,7 +157,7 @@ class Comm:
             except Exception as exc:  # noqa: BLE001 - leaving anyway; the run's own outcome is already decided
                 log.warning("rank %d: not every rank reached the end of the run within %.0fs (%s); leaving the group",
                             self.rank, CLOSE_BARRIER_S, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self._dist.destroy_process_group()
+        super().close()
         self._dist = None
 
     # --- collectives (identity for world 1); each names what it waits for in its error
@@ -169,11 +165,8 @@ class Comm:
         try:
             return fn()
         except Exception as exc:  # gloo raises RuntimeError on timeout or a closed peer
-            raise RankFailure(
-                f"rank {self.rank}: collective '{what}' with the other {self.world - 1} rank(s) failed "
-                f"(deadline {self.timeout_s:.0f}s, runner.collective_timeout_s): {exc}. "
-                "A peer probably died or is stuck; see its log"
-            ) from exc
+            raise RankFailure(self.failure(f"collective '{what}' with the other {self.world - 1} rank(s)", exc,
+                                           "Restart the Stage-B run (make stage-b)")) from exc
 
     def broadcast(self, obj: Any, what: str) -> Any:
         """Rank 0's ``obj`` on every rank."""

@@ -12,12 +12,13 @@ starts two CPU ranks.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from common import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,18 +46,16 @@ def build_command(gpus: list[str], config: str, overrides: list[str], master_por
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.config_parser("python -m stage_b.launch", __doc__, config_help="Stage-B YAML, e.g. configs/stage_b/demo_cpu.yaml")
     ap.add_argument("--gpus", required=True, help="comma-separated GPU ids, e.g. 0 or 0,1,2,3")
-    ap.add_argument("--config", required=True, help="Stage-B YAML, e.g. configs/stage_b/demo_cpu.yaml")
     ap.add_argument("--master-port", type=int, default=None, help="torchrun rendezvous port (default: --standalone)")
     ap.add_argument("--dry-run", action="store_true", help="print the command and exit")
-    args, overrides = ap.parse_known_args(argv)
+    args = ap.parse_args(argv)
     try:
         gpus = parse_gpus(args.gpus)
     except ValueError as exc:
         ap.error(str(exc))
-    cmd, env = build_command(gpus, args.config, overrides, args.master_port)
+    cmd, env = build_command(gpus, args.config, args.overrides, args.master_port)
     line = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd)
     print(line, flush=True)
     if args.dry_run:

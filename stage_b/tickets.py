@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from common.jsonl import iter_json_lines
+
 LABELS = ("pass", "fail")
 
 
@@ -109,15 +111,10 @@ def check_tickets(tickets: list[Ticket], expected_mission: str | None = None, so
 def load_tickets(path: str | Path, expected_mission: str | None = None) -> tuple[list[Ticket], str]:
     """Read a ticket JSONL; returns (tickets in file order, the mission)."""
     tickets = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TicketError(f"{path}:{n}: not JSON ({exc})") from None
-            tickets.append(parse_ticket(obj, f"{path}:{n}"))
+    for line in iter_json_lines(path, full_path=True):
+        if line.error is not None:
+            raise TicketError(f"{line.where}: {line.error}")
+        tickets.append(parse_ticket(line.value, line.where))
     return tickets, check_tickets(tickets, expected_mission, str(path))
 
 

@@ -46,6 +46,7 @@ class ServerProcess:
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal our own PID, wait up to STOP_DEADLINE_S, then SIGKILL; returns the exit code."""
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a test may have frozen it (SIGSTOP); a frozen process ignores SIGTERM
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=STOP_DEADLINE_S)
@@ -57,17 +58,25 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def server_command(model_dir: Path, port: int, overrides: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "rollout_server", "--config", str(REPO / "configs" / "demo_cpu.yaml"),
-            f"rollout_server.port={port}", f"model.path={model_dir}", "rollout_server.log_level=warning", *overrides]
+def server_command(model_dir: Path, port: int, overrides: Sequence[str] = (), *,
+                   config: Path = REPO / "configs" / "demo_cpu.yaml", log_level: str | None = "warning") -> list[str]:
+    """``python -m rollout_server`` on ``port`` serving ``model_dir`` (``log_level`` None: the config's own)."""
+    level = [f"rollout_server.log_level={log_level}"] if log_level else []
+    return [sys.executable, "-m", "rollout_server", "--config", str(config), f"rollout_server.port={port}",
+            f"model.path={model_dir}", *level, *overrides]
 
 
-def start_server(model_dir: Path, overrides: Sequence[str] = ()) -> ServerProcess:
-    """Launch a server on a fresh port and return at once (call ``wait_healthy`` before using it)."""
+def start_server(model_dir: Path, overrides: Sequence[str] = (), *, env: dict[str, str] | None = None,
+                 **command: object) -> ServerProcess:
+    """Launch a server on a fresh port and return at once (call ``wait_healthy`` before using it).
+
+    ``env``: extra environment (e.g. ``CUDA_VISIBLE_DEVICES``); ``command``: :func:`server_command`'s keywords.
+    """
     port = free_port_block(1)
     log_file = tempfile.NamedTemporaryFile(prefix=f"rollout-server-{port}-", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.Popen(server_command(model_dir, port, overrides), cwd=REPO, stdout=log_file,
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keep a staged site dir
+    env = {**os.environ, "PYTHONPATH": path, "TRANSFORMERS_VERBOSITY": "error", **(env or {})}
+    proc = subprocess.Popen(server_command(model_dir, port, overrides, **command), cwd=REPO, stdout=log_file,
                             stderr=subprocess.STDOUT, env=env)
     log_file.close()
     return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", port=port, log_path=Path(log_file.name))
@@ -96,16 +105,23 @@ def wait_healthy(srv: ServerProcess, deadline_s: float = START_DEADLINE_S) -> No
 
 
 @contextlib.contextmanager
-def rollout_server_process(model_dir: Path, overrides: Sequence[str] = (), *,
-                           deadline_s: float = START_DEADLINE_S, while_loading=None) -> Iterator[ServerProcess]:
-    """Start a server, run ``while_loading()`` if given, wait until /health is 200, yield it, SIGTERM it."""
-    srv = start_server(model_dir, overrides)
+def rollout_server_process(model_dir: Path, overrides: Sequence[str] = (), *, deadline_s: float = START_DEADLINE_S,
+                           while_loading=None, stop_signal: int = signal.SIGTERM, print_log_tail: int = 0,
+                           **start: object) -> Iterator[ServerProcess]:
+    """Start a server, run ``while_loading()`` if given, wait until /health is 200, yield it, stop it.
+
+    ``start``: :func:`start_server`'s keywords (``env``, ``config``, ``log_level``); ``print_log_tail``: lines
+    of the server's log printed at the end (GPU tests keep vLLM's log in the pytest output).
+    """
+    srv = start_server(model_dir, overrides, **start)
     try:
         if while_loading is not None:
             while_loading()
         wait_healthy(srv, deadline_s)
         yield srv
     finally:
-        srv.stop()
+        if print_log_tail:
+            print(f"---- rollout server log tail ----\n{srv.log_tail(print_log_tail)}")
+        srv.stop(stop_signal)
         with contextlib.suppress(OSError):
             os.unlink(srv.log_path)

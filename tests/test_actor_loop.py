@@ -143,10 +143,10 @@ def test_a_stop_request_finishes_rollouts_flushes_and_sends_everything_before_ex
 def test_an_absent_learner_is_waited_for_then_named_with_the_command_that_starts_it(make, encoder, caplog):
     loop = make(ScriptedClient(encoder.tokenizer), "actor.learner_wait_timeout_s=1")
     t0 = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="actor.loop"):
+    with caplog.at_level(logging.ERROR, logger="actor.learner_link"):
         assert run_with_deadline(loop) == EXIT_NO_LEARNER
     assert time.monotonic() - t0 < 10
-    assert loop.subscriber.endpoint in caplog.text and "torchrun --nproc_per_node=1 learner/main.py" in caplog.text
+    assert loop.link.subscriber.endpoint in caplog.text and "torchrun --nproc_per_node=1 learner/main.py" in caplog.text
     assert "actor.learner_wait_timeout_s" in caplog.text
 
 

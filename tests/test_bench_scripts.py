@@ -1,4 +1,5 @@
-"""CPU checks of the GPU bench scripts' pure parts: bench/bench_weight_sync.py helpers, bench/gpu_session.sh.
+"""CPU checks of the GPU bench scripts' pure parts: bench/weight_sync_lib.py, bench_weight_sync.py's server-log
+reading and CLI, bench/gpu_session.sh.
 
 The GPU runs themselves happen on lent machines (docs/gpu.md); here: the push order (warm-ups, then the
 load paths alternated), per-path medians and the table, the digest check's verdicts against a fake
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import bench_weight_sync as b  # noqa: E402
+import weight_sync_lib as lib  # noqa: E402
 
 GB = 10**9
 
@@ -35,19 +37,19 @@ def test_help_runs_without_a_gpu():
 
 
 def test_cli_lists_are_parsed_and_bad_topologies_refused():
-    assert b.parse_modes("fast,native") == ["fast", "native"]
-    assert b.parse_modes(" native ") == ["native"]
+    assert lib.parse_modes("fast,native") == ["fast", "native"]
+    assert lib.parse_modes(" native ") == ["native"]
     for bad in ("", "fast,fast", "fast,slow"):
         with pytest.raises(ValueError):
-            b.parse_modes(bad)
-    assert b.parse_gpus("0,1") == [0, 1]
+            lib.parse_modes(bad)
+    assert lib.parse_gpus("0,1") == [0, 1]
     with pytest.raises(ValueError):
-        b.parse_gpus("0,0")
-    b.check_topology([0, 1], 2, 2)
+        lib.parse_gpus("0,0")
+    lib.check_topology([0, 1], 2, 2)
     with pytest.raises(ValueError, match="divide"):
-        b.check_topology([0, 1, 2], 2, 3)
+        lib.check_topology([0, 1, 2], 2, 3)
     with pytest.raises(ValueError, match="learner-gpu"):
-        b.check_topology([0, 1], 2, 1)
+        lib.check_topology([0, 1], 2, 1)
 
 
 def test_main_rejects_a_learner_gpu_among_the_server_gpus():
@@ -57,26 +59,26 @@ def test_main_rejects_a_learner_gpu_among_the_server_gpus():
 
 
 def test_sync_order_is_a_block_per_path_warm_up_first():
-    order = b.sync_order(["fast", "native"], 3)
+    order = lib.sync_order(["fast", "native"], 3)
     assert order == [("fast", True)] + [("fast", False)] * 3 + [("native", True)] + [("native", False)] * 3
-    assert b.sync_order(["native"], 2) == [("native", True), ("native", False), ("native", False)]
+    assert lib.sync_order(["native"], 2) == [("native", True), ("native", False), ("native", False)]
 
 
 def test_server_overrides_read_back_through_the_config_loader():
     from common.config import load_config
 
-    ov = b.server_overrides("/tmp/m", 8123, 0.35, [0, 1], 2, 2)
+    ov = lib.server_overrides("/tmp/m", 8123, 0.35, [0, 1], 2, 2)
     cfg = load_config(REPO / "configs/gpu/split_1p1.yaml", ov)
     srv = cfg.rollout_server
     assert (srv.gpus, srv.tensor_parallel_size, srv.port, srv.load_format) == ([0, 1], 2, 8123, "dummy")
     assert cfg.learner.gpus == [2] and cfg.model.path == "/tmp/m"
-    cfg = load_config(REPO / "configs/gpu/split_1p1.yaml", b.server_overrides("/tmp/m", 8123, 0.35, [0], 1, 1))
+    cfg = load_config(REPO / "configs/gpu/split_1p1.yaml", lib.server_overrides("/tmp/m", 8123, 0.35, [0], 1, 1))
     assert cfg.rollout_server.gpus == [0] and cfg.learner.gpus == [1]
 
 
 def test_raw_broadcast_puts_rank_0_on_the_learner_gpu_and_one_rank_per_server_gpu():
-    assert b.raw_ranks(1, [0]) == [(0, 1), (1, 0)]
-    assert b.raw_ranks(2, [0, 1]) == [(0, 2), (1, 0), (2, 1)]
+    assert lib.raw_ranks(1, [0]) == [(0, 1), (1, 0)]
+    assert lib.raw_ranks(2, [0, 1]) == [(0, 2), (1, 0), (2, 1)]
 
 
 def _rec(mode, warm, wire, total=None, ver=1):
@@ -94,7 +96,7 @@ def test_mode_stats_are_medians_of_the_timed_pushes_per_path():
                _rec("fast", False, 0.02), _rec("native", False, 0.2),
                _rec("fast", False, 0.01), _rec("native", False, 0.1),
                _rec("fast", False, 0.04), _rec("native", False, 0.3)]
-    s = b.mode_stats(records, 2 * GB, RAW)
+    s = lib.mode_stats(records, 2 * GB, RAW)
     assert list(s) == ["fast", "native"]
     assert s["fast"]["n"] == 3 and s["fast"]["median"]["wire_s"] == pytest.approx(0.02)
     assert s["native"]["median"]["wire_s"] == pytest.approx(0.2)
@@ -104,9 +106,9 @@ def test_mode_stats_are_medians_of_the_timed_pushes_per_path():
     assert s["native"]["sync_gb_s"] == pytest.approx(10.0)
     assert s["fast"]["median"]["gpu_s"] == pytest.approx(0.016)  # the data plane alone, GPU-timed
     assert s["fast"]["data_gb_s"] == pytest.approx(125.0) and s["fast"]["data_vs_raw_chunked"] == pytest.approx(0.625)
-    assert "vs_raw_single" not in b.mode_stats(records, 2 * GB, None)["fast"]
+    assert "vs_raw_single" not in lib.mode_stats(records, 2 * GB, None)["fast"]
     no_gpu = [{**r, "gpu_s": None} for r in records]  # e.g. the hf engine: no GPU timing in its reply
-    assert "data_gb_s" not in b.mode_stats(no_gpu, 2 * GB, RAW)["fast"]
+    assert "data_gb_s" not in lib.mode_stats(no_gpu, 2 * GB, RAW)["fast"]
 
 
 class FakeServer:
@@ -142,7 +144,7 @@ class FakeServer:
 
 def test_run_pushes_alternates_and_a_correct_fast_path_passes_the_digest_check():
     srv = FakeServer()
-    res = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
+    res = lib.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
     assert [r["mode"] for r in res["records"]] == ["fast"] * 3 + ["native"] * 3
     assert [r["warmup"] for r in res["records"]] == [True, False, False, True, False, False]
     assert res["records"][0]["first"] and not res["records"][1]["first"]
@@ -150,34 +152,34 @@ def test_run_pushes_alternates_and_a_correct_fast_path_passes_the_digest_check()
     assert [s["mode"] for s in d["steps"]] == ["fast", "native", "native", "fast"]
     assert srv.log[-4:] == ["fast", "native", "native", "fast"]
     assert d["digest_equal"] and d["changes_with_weights"] and d["changes_on_every_worker"] and d["ok"]
-    assert b.digest_verdict(d) == "equal"
+    assert lib.digest_verdict(d) == "equal"
 
 
 def test_a_deferred_fast_warm_up_is_repeated_until_the_fast_path_runs():
     srv = FakeServer(defer_fast=2)
-    res = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
+    res = lib.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
     recs = res["records"]
     assert [(r["mode"], r["load_path"], r["warmup"]) for r in recs[:4]] == [
         ("fast", "native", True), ("fast", "native", True), ("fast", "fast", True), ("fast", "fast", False)]
     assert all(r["load_path"] == r["mode"] for r in recs if not r["warmup"])
-    assert b.fast_effective(recs, res["digest"], {"fast_refused": 0})
+    assert lib.fast_effective(recs, res["digest"], {"fast_refused": 0})
     never = FakeServer(defer_fast=99)  # the fast path never ran: give up after WARMUP_TRIES, then it shows
-    res = b.run_pushes(never.push, never.perturb, never.digest, ["fast", "native"], 1)
-    assert sum(r["warmup"] and r["mode"] == "fast" for r in res["records"]) == b.WARMUP_TRIES
-    assert not b.fast_effective(res["records"], res["digest"], {"fast_refused": 0})
+    res = lib.run_pushes(never.push, never.perturb, never.digest, ["fast", "native"], 1)
+    assert sum(r["warmup"] and r["mode"] == "fast" for r in res["records"]) == lib.WARMUP_TRIES
+    assert not lib.fast_effective(res["records"], res["digest"], {"fast_refused": 0})
 
 
 def test_a_fast_path_that_leaves_a_tensor_stale_is_caught_by_the_fast_then_native_pair():
     srv = FakeServer(stale="b")
-    d = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 1)["digest"]
+    d = lib.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 1)["digest"]
     assert not d["fast_then_native_equal"]  # fast left "b" from the previous weights; native then loaded it
     assert d["native_then_fast_equal"]  # the pair the brief sketches alone would not see it
-    assert not d["digest_equal"] and not d["ok"] and b.digest_verdict(d) == "MISMATCH"
+    assert not d["digest_equal"] and not d["ok"] and lib.digest_verdict(d) == "MISMATCH"
 
 
 def test_a_fast_path_that_writes_wrong_values_fails_both_pairs():
     srv = FakeServer(garble="c")
-    d = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 1)["digest"]
+    d = lib.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 1)["digest"]
     assert not d["fast_then_native_equal"] and not d["native_then_fast_equal"] and not d["ok"]
 
 
@@ -187,12 +189,12 @@ def test_digest_route_errors_and_ver_mismatches_are_reported_not_raised():
     def missing():
         raise RuntimeError("GET /sync/digest -> 404")
 
-    d = b.run_pushes(srv.push, srv.perturb, missing, ["fast", "native"], 1)["digest"]
-    assert d["ok"] is False and "404" in d["error"] and b.digest_verdict(d) == "ERROR"
-    d = b.run_pushes(srv.push, srv.perturb, lambda: {**srv.digest(), "ver": 0}, ["fast", "native"], 1)["digest"]
+    d = lib.run_pushes(srv.push, srv.perturb, missing, ["fast", "native"], 1)["digest"]
+    assert d["ok"] is False and "404" in d["error"] and lib.digest_verdict(d) == "ERROR"
+    d = lib.run_pushes(srv.push, srv.perturb, lambda: {**srv.digest(), "ver": 0}, ["fast", "native"], 1)["digest"]
     assert d["ok"] is False and "ver" in d["error"]
     # one path only: no digest check (nothing to compare)
-    assert b.run_pushes(srv.push, srv.perturb, srv.digest, ["native"], 1)["digest"] is None
+    assert lib.run_pushes(srv.push, srv.perturb, srv.digest, ["native"], 1)["digest"] is None
 
 
 def test_server_log_lines_and_fast_effectiveness():
@@ -208,30 +210,30 @@ def test_server_log_lines_and_fast_effectiveness():
     records = [{"mode": "fast", "warmup": False, "load_path": "fast"},
                {"mode": "native", "warmup": False, "load_path": "native"}]
     digest = {"steps": [{"mode": "fast", "load_path": "fast"}, {"mode": "native", "load_path": "native"}]}
-    assert b.count_fast_pushes(records, digest) == 2
-    assert b.fast_effective(records, digest, counts)
-    assert not b.fast_effective(records, {"steps": [{"mode": "fast", "load_path": "native"}]}, counts)
-    assert not b.fast_effective([{**records[0], "load_path": None}], None, counts)  # no reply: not shown
+    assert lib.count_fast_pushes(records, digest) == 2
+    assert lib.fast_effective(records, digest, counts)
+    assert not lib.fast_effective(records, {"steps": [{"mode": "fast", "load_path": "native"}]}, counts)
+    assert not lib.fast_effective([{**records[0], "load_path": None}], None, counts)  # no reply: not shown
     refused = b.log_counts(b.server_log_lines("x vllm: fast weight load refused (tied)\nx vllm: fast update: 1"))
-    assert not b.fast_effective(records, digest, refused)
+    assert not lib.fast_effective(records, digest, refused)
 
 
 def _result(digest_ok=True, fast_effective=True):
     srv = FakeServer(stale=None if digest_ok else "a")
-    res = b.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
+    res = lib.run_pushes(srv.push, srv.perturb, srv.digest, ["fast", "native"], 2)
     return {"preset": "0.5b", "tp": 1, "bytes": 2 * GB, "chunks": 4, "raw": RAW, "fast_effective": fast_effective,
-            "modes": b.mode_stats(res["records"], 2 * GB, RAW), "digest": res["digest"]}
+            "modes": lib.mode_stats(res["records"], 2 * GB, RAW), "digest": res["digest"]}
 
 
 def test_table_has_one_row_per_preset_and_path_and_flags_problems():
-    rows = b.table([_result(), {**_result(), "preset": "7b", "tp": 2}]).splitlines()
+    rows = lib.table([_result(), {**_result(), "preset": "7b", "tp": 2}]).splitlines()
     assert len(rows) == 2 + 4
     assert rows[2].startswith("| 0.5b | 1 | 2.00 | 4 | fast | 0.040 | 0.020 |")  # prep, then fence
     assert rows[3].startswith("| 0.5b | 1 | 2.00 | 4 | native |")
     assert rows[4].startswith("| 7b | 2 |")
     assert all(r.rstrip().endswith("| equal |") for r in rows[2:])
     assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
-    bad = b.table([_result(digest_ok=False, fast_effective=False)])
+    bad = lib.table([_result(digest_ok=False, fast_effective=False)])
     assert "MISMATCH" in bad and "REFUSED" in bad
 
 
@@ -241,7 +243,7 @@ def test_exit_code_is_non_zero_on_a_digest_mismatch_or_a_refused_fast_path(monke
         monkeypatch.setattr(b, "bench_preset", lambda preset, args, tmp, r=result: r)
         assert b.main(["--presets", "0.5b", "--out", str(out)]) == code
         assert json.loads(out.read_text())[0]["preset"] == "0.5b"
-    assert b.run_ok(_result(), ["native"]) == []  # one path: no digest check owed
+    assert lib.run_ok(_result(), ["native"]) == []  # one path: no digest check owed
 
     def boom(preset, args, tmp):
         raise RuntimeError("server exited 3")

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, load_config, markdown_reference
+from common.config import ConfigError, load_config
+from common.config_docs import markdown_reference
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["model.path=m", "data.train_jsonl=d.jsonl", "stage2_ab.schedule.b_ratio=0.5"]

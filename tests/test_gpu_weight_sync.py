@@ -12,13 +12,10 @@ Run the GPU part on a GPU machine: ``make test-gpu`` (docs/gpu.md).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing as mp
 import os
 import signal
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +24,7 @@ import torch
 
 from common.tensors import weights as W
 from tests.ports import free_port_block
-from tests.server_proc import REPO, ServerProcess, server_command, wait_healthy
+from tests.server_proc import rollout_server_process
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (server on GPU 0, learner on GPU 1): "
@@ -100,24 +97,11 @@ def test_packed_broadcast_protocol_round_trips_over_a_gloo_group_on_cpu(tmp_path
 # ------------------------------------------------------------------------------------ GPU: hf engine
 
 
-@contextlib.contextmanager
 def hf_server_on_gpu0(model_dir: Path):
-    port = free_port_block(1)
-    log = tempfile.NamedTemporaryFile(prefix=f"hf-gpu-server-{port}-", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "CUDA_VISIBLE_DEVICES": "0", "TRANSFORMERS_VERBOSITY": "error"}
-    cmd = server_command(model_dir, port, ["rollout_server.device=cuda", "rollout_server.dtype=float32",
-                                              "rollout_server.sync_idle_timeout_s=30"])
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    log.close()
-    srv = ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", port=port, log_path=Path(log.name))
-    try:
-        wait_healthy(srv, 120)
-        yield srv
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-        srv.stop(signal.SIGKILL)
+    """The hf engine on GPU 0 (float32); killed at the end, as a test may leave it frozen mid-sync."""
+    return rollout_server_process(model_dir, ["rollout_server.device=cuda", "rollout_server.dtype=float32",
+                                              "rollout_server.sync_idle_timeout_s=30"],
+                                  env={"CUDA_VISIBLE_DEVICES": "0"}, deadline_s=120, stop_signal=signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

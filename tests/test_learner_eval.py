@@ -236,7 +236,7 @@ def test_the_learner_starts_an_evaluation_at_the_first_committed_push_from_each_
     import torch
 
     from learner.metrics import RankStats
-    from learner.train import Learner
+    from learner.rank import Learner
 
     cfg = eval_cfg(tmp_path, tiny_model_dir, synth_data_dir, "http://127.0.0.1:1")
     learner = Learner(cfg, SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu")))

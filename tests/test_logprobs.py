@@ -131,7 +131,7 @@ def test_a_stop_string_cuts_the_logprobs_with_the_tokens(tiny):
 
 
 def test_vllm_completion_logprobs_become_the_sampled_tokens_logprobs_in_order():
-    from rollout_server.engines.vllm.engine import sampled_logprobs
+    from rollout_server.engines.vllm.convert import sampled_logprobs
 
     def lp(value, rank=1):
         return SimpleNamespace(logprob=value, rank=rank, decoded_token="x")

@@ -94,7 +94,7 @@ def test_a_pack_without_boxes_has_zero_coord_ce_and_stays_finite():
 
 def test_the_learner_gives_coord_ce_to_channel_a_packs_only(tmp_path, tiny_model_dir, synth_data_dir, monkeypatch):
     """Learner.forward_backward picks its LossWeights by channel; the model call is replaced by fixed logits."""
-    import learner.train as train_mod
+    import learner.rank as rank_mod
     from common.config import load_config
     from learner.metrics import RankStats
     from tests.test_learner_harness import write_config
@@ -102,13 +102,13 @@ def test_the_learner_gives_coord_ce_to_channel_a_packs_only(tmp_path, tiny_model
     cfg_path = write_config(tmp_path / "cfg.yaml", model_dir=tiny_model_dir, data_dir=synth_data_dir,
                             output_dir=tmp_path / "run", nproc=1, stage2_ab={"coord_ce_weight": 1.0})
     cfg = load_config(cfg_path, world_size=1)
-    learner = train_mod.Learner(cfg, SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu")))
+    learner = rank_mod.Learner(cfg, SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu")))
     assert learner.loss_weights["A"].coord_ce == 1.0 and learner.loss_weights["B"].coord_ce == 0.0
     assert learner.loss_weights["A"].smoothl1 == learner.loss_weights["B"].smoothl1
 
     logits, rows = make_case(5)
     weight = torch.nn.Parameter(torch.ones(()))
-    monkeypatch.setattr(train_mod, "forward_rows", lambda model, inp: logits * weight)
+    monkeypatch.setattr(rank_mod, "forward_rows", lambda model, inp: logits * weight)
     learner.model = torch.nn.Identity()
     learner.calls = {"forward": 0, "backward": 0}
     learner.coord_ids = COORD_IDS

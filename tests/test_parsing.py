@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.assistant_json import IM_END, GTObject, check_desc, coord_token, serialize_objects
-from common.parsing import DROP_REASONS, cut_tokens_at_char, parse_rollout
+from common.parsing import DROP_REASONS, parse_rollout
+from common.token_text import cut_tokens_at_char
 from common.tokens import coord_token_ids
 
 

@@ -18,7 +18,6 @@ tandem refuses a tokenizer without the coord tokens (``common/tokens.py``); this
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python tools/add_coord_tokens.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import cli  # noqa: E402
 from common.assistant_json import COORD_TOKENS, NUM_BINS  # noqa: E402
 from common.tokens import contiguous_range, coord_token_ids  # noqa: E402
 
@@ -110,7 +110,7 @@ def add_coord_tokens(model: str | Path, out: str | Path, *, dtype: str = "auto",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python tools/add_coord_tokens.py", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python tools/add_coord_tokens.py", __doc__)
     parser.add_argument("--model", required=True, help="checkpoint directory without coord tokens")
     parser.add_argument("--out", required=True, help="directory to write the extended checkpoint to")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -8,18 +8,18 @@ edit it, or pass it as ``tickets.path``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import cli  # noqa: E402
 from stage_b.tickets import make_demo_tickets, write_tickets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap = cli.parser("python tools/make_tickets.py", __doc__)
+    ap.add_argument("--out", required=True, help="JSONL file to write")
     ap.add_argument("--num-groups", type=int, default=16)
     ap.add_argument("--images-per-group", type=int, default=2)
     ap.add_argument("--fail-share", type=float, default=0.5)

@@ -27,10 +27,8 @@ is (``AutoModelForImageTextToText`` / ``AutoTokenizer`` / ``AutoProcessor.from_p
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -39,6 +37,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python tools/make_tiny_model.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import cli  # noqa: E402
+from common.build_dir import build_once  # noqa: E402
 from common.assistant_json import (  # noqa: E402
     CHAT_SPECIAL_TOKENS,
     COORD_TOKENS,
@@ -325,38 +325,20 @@ def ensure_tiny_model(
 ) -> Path:
     """The model directory at ``path``, built unless it already holds a build with these parameters.
 
-    Builds into a private sibling folder and renames it into place, so concurrent callers never see a
-    half-written directory; a folder that this tool did not write is never deleted.
+    Built once and atomically (:func:`common.build_dir.build_once`): concurrent callers never see a
+    half-written directory, and a folder that this tool did not write is never deleted.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out = Path(path)
     params = build_params(preset, seed, coord_tokens, dtype)
-    if not force and _is_built(out, params):
-        return out
-    if out.exists() and not (out / BUILD_FILE).is_file() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and was not written by tools/make_tiny_model.py; pick another --out")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        _write(tmp, params)
-        if not force and _is_built(out, params):  # a concurrent call finished first
-            return out
-        if out.exists():
-            shutil.rmtree(out)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not _is_built(out, params):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_once(out, marker=BUILD_FILE, is_built=lambda d: _is_built(d, params), write=lambda tmp: _write(tmp, params),
+               owner="tools/make_tiny_model.py", force=force)
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python tools/make_tiny_model.py", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python tools/make_tiny_model.py", __doc__)
     parser.add_argument("--out", default="artifacts/tiny-model", help="model directory to write (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default: %(default)s)")

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -129,8 +127,7 @@ class PushSender(abc.ABC):
     def __init__(self, base_url: str, *, auth_token: str | None = None, timeout_s: float = 300.0,
                  client_id: str | None = None, connect_timeout_s: float = 10.0) -> None:
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
-        self.control = SyncClient(base_url, auth_token=auth_token, timeout_s=timeout_s,
-                                  client_id=client_id or f"learner@{socket.gethostname()}:{os.getpid()}",
+        self.control = SyncClient(base_url, auth_token=auth_token, timeout_s=timeout_s, client_id=client_id,
                                   connect_timeout_s=connect_timeout_s)
 
     def close(self) -> None:

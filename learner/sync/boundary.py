@@ -4,7 +4,7 @@
 ``stage2_ab.channel_b.async.sync_every_steps`` optimizer steps, and once at start (fresh or resumed)::
 
     every rank: barrier("before the push")                     all ranks stop at the boundary
-    rank 0:     WeightSyncClient.push(full weights, bucketed)  init → begin (server fence) → buckets → commit
+    rank 0:     sender.push(full weights)                   init → begin (server fence) → send → commit (sync/base.py)
                 per server, bounded by rollout_matching.vllm.sync.timeout_s
     every rank: barrier("after the push")                      unblocked when rank 0 returns (or fails)
     every rank: broadcast [ver, ok] from rank 0                every rank adopts the same ver before the next decision

@@ -13,14 +13,10 @@ Mapping onto vLLM:
   returns are the raw model's, like the hf engine's, so a detection's score does not depend on the
   temperature or penalty it was decoded with), native weight transfer configured (``backend=nccl``).
 * ``generate``: one ``AsyncLLM.generate`` per item (vLLM batches them continuously) with
-  ``output_kind=FINAL_ONLY``; cancelling our task makes AsyncLLM abort the request. Chat prompts are
-  rendered with the checkpoint's chat template and sent as text plus PIL images, so vLLM expands the
-  image placeholders itself; token-id prompts carry one ``<|image_pad|>`` per image (the template's
-  form). A prompt vLLM refuses (too long, id outside the vocabulary) is an EngineInputError (400).
-* Sampling: every field passed explicitly, because vLLM's defaults differ from ours (``max_tokens``
-  16): ``top_k <= 0`` becomes -1 (off in every supported release), stops are the chat template's
-  turn end and eos (kept as the last token, as the hf engine does) plus the request's strings;
-  ``logprobs=True`` becomes ``logprobs=0`` (the sampled token only), read by :func:`sampled_logprobs`.
+  ``output_kind=FINAL_ONLY``; cancelling our task makes AsyncLLM abort the request. A prompt vLLM
+  refuses (too long, id outside the vocabulary) is an EngineInputError (400). How items, sampling
+  and outputs translate to vLLM's (every sampling field explicit, chat prompts as text plus PIL
+  images, logprobs of the sampled token) is :mod:`rollout_server.engines.vllm.convert`.
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
   cancelled every request when ``pause()`` runs ``pause_generation(mode="abort", clear_cache=True)``
   (never ``keep``: requests would straddle versions); ``resume()`` runs ``resume_generation``.
@@ -55,16 +51,16 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
-import math
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from common.protocol import InferItem, InferOutput, SamplingParams, SyncBucketHeader, SyncInitRequest, TensorSpec
 from rollout_server.engines.base import Engine, EngineInputError, EngineUnavailable, WeightUpdateError
+from rollout_server.engines.vllm.convert import infer_output, sampling_kwargs, stop_token_ids, vllm_prompt
 
 log = logging.getLogger(__name__)
 
@@ -82,27 +78,6 @@ WORKER_EXTENSION = "rollout_server.engines.vllm.extension.TandemWorkerExtension"
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
-
-
-def sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]] | None) -> list[float]:
-    """The sampled token's logprob at each position of a ``CompletionOutput``.
-
-    ``logprobs`` is vLLM's ``CompletionOutput.logprobs``: per generated token, a mapping token id ->
-    ``Logprob`` (``.logprob``, ``.rank``, ``.decoded_token``) that holds the sampled token (with
-    ``SamplingParams(logprobs=0)``, only it). A missing position, a missing token or a non-finite value
-    means the request did not ask for logprobs or vLLM broke its contract: RuntimeError naming it.
-    """
-    if logprobs is None or len(logprobs) != len(token_ids):
-        got = "no logprobs" if logprobs is None else f"{len(logprobs)} logprob entries"
-        raise RuntimeError(f"vLLM returned {got} for {len(token_ids)} generated tokens")
-    out = []
-    for k, (tok, entry) in enumerate(zip(token_ids, logprobs)):
-        lp = entry.get(tok) if entry is not None else None
-        value = float(lp.logprob) if lp is not None else math.nan
-        if not math.isfinite(value):
-            raise RuntimeError(f"vLLM returned logprob {value} for sampled token {tok} at position {k}")
-        out.append(value)
-    return out
 
 
 class VLLMEngine(Engine):
@@ -165,10 +140,7 @@ class VLLMEngine(Engine):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        stop = {self.tokenizer.eos_token_id}
-        if "<|im_end|>" in self.tokenizer.get_vocab():
-            stop.add(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        self._stop_ids = sorted(i for i in stop if i is not None)
+        self._stop_ids = stop_token_ids(self.tokenizer)
         self._set_manifest(*await asyncio.to_thread(self._meta_manifest))
         log.info("vllm engine ready: %s, tp %d, %s, %d tensors, load_format %s", self.model_path,
                  srv.tensor_parallel_size, self._dtype, len(self._manifest), srv.load_format)
@@ -197,45 +169,7 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        return VSP(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-                   min_p=0.0, max_tokens=s.max_tokens, min_tokens=0, seed=s.seed, stop=list(s.stop),
-                   stop_token_ids=self._stop_ids, ignore_eos=False, repetition_penalty=s.repetition_penalty,
-                   presence_penalty=0.0, frequency_penalty=0.0, skip_special_tokens=False,
-                   spaces_between_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
-                   logprobs=0 if s.logprobs else None)
-
-    def _prompt(self, item: InferItem, row: int) -> dict[str, Any]:
-        from common.images import load_image
-
-        images = list(item.images or [])
-        if item.prompt_token_ids is not None:
-            bad = [t for t in item.prompt_token_ids if not 0 <= t < self._vocab]
-            if bad:
-                raise EngineInputError(f"token id {bad[0]} is outside the vocabulary", f"items.{row}.prompt_token_ids")
-            prompt: dict[str, Any] = {"prompt_token_ids": list(item.prompt_token_ids)}
-            refs = images
-        else:
-            msgs, refs, queue = [], [], list(images)
-            for m in item.messages or []:
-                if isinstance(m.content, str):
-                    msgs.append({"role": m.role, "content": m.content})
-                    continue
-                parts = []
-                for p in m.content:
-                    if p.type == "image":
-                        if p.image is None and not queue:
-                            raise EngineInputError("more image parts than images", f"items.{row}.images")
-                        refs.append(p.image if p.image is not None else queue.pop(0))
-                        parts.append({"type": "image"})
-                    else:
-                        parts.append({"type": "text", "text": p.text})
-                msgs.append({"role": m.role, "content": parts})
-            if queue:
-                raise EngineInputError(f"{len(queue)} image(s) left without an image part", f"items.{row}.images")
-            prompt = {"prompt": self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)}
-        if refs:
-            prompt["multi_modal_data"] = {"image": [load_image(r, f"items.{row}.images.{j}") for j, r in enumerate(refs)]}
-        return prompt
+        return VSP(**sampling_kwargs(s, self._stop_ids), output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def _one(self, prompt: dict[str, Any], sp: Any, item_id: str | None, row: int) -> InferOutput:
         final = None
@@ -246,16 +180,11 @@ class VLLMEngine(Engine):
             raise EngineInputError(f"vLLM refused item {row}: {exc}", f"items.{row}") from None
         if final is None:  # pragma: no cover - vLLM always yields once with FINAL_ONLY
             raise RuntimeError("vLLM returned no output")
-        c = final.outputs[0]
-        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        token_ids = list(c.token_ids)
-        return InferOutput(id=item_id, token_ids=token_ids, text=c.text, finish_reason=reason,
-                           prompt_token_ids=list(final.prompt_token_ids or []),
-                           logprobs=sampled_logprobs(token_ids, c.logprobs) if sp.logprobs is not None else None)
+        return infer_output(final, item_id, with_logprobs=sp.logprobs is not None)
 
     async def generate(self, items: Sequence[InferItem], sampling: SamplingParams) -> list[InferOutput]:
         sp = self._sampling(sampling)
-        prompts = [self._prompt(it, i) for i, it in enumerate(items)]
+        prompts = [vllm_prompt(it, i, self.tokenizer, self._vocab) for i, it in enumerate(items)]
         tasks = [asyncio.ensure_future(self._one(p, sp, it.id, i)) for i, (p, it) in enumerate(zip(prompts, items))]
         try:
             return list(await asyncio.gather(*tasks))
@@ -478,4 +407,4 @@ class VLLMEngine(Engine):
                 "dtype": self._dtype, "weight_load": load}
 
 
-__all__ = ["VLLMEngine", "vllm_available", "sampled_logprobs", "INSTALL_FIX"]
+__all__ = ["VLLMEngine", "vllm_available", "INSTALL_FIX"]
