@@ -34,8 +34,9 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PYTHON) -m pytest -q -m gpu -rs
 
+# A second `make demo` moves the previous demo run aside (runs/demo.old-<its start time>), never deletes it.
 demo: $(STAMP) data tiny-model tiny-detector
-	$(PYTHON) -m launcher --config $(CONFIG)
+	$(PYTHON) -m launcher --config $(CONFIG) training.overwrite=true
 
 launch-rollout: $(STAMP)
 	$(PYTHON) -m rollout_server --config $(CONFIG)
@@ -48,6 +49,7 @@ bench: $(STAMP) data tiny-model
 	$(PYTHON) bench/bench_actor.py
 	$(PYTHON) bench/bench_learner.py
 	$(PYTHON) bench/bench_sync_modes.py
+	$(PYTHON) bench/bench_soak.py --duration-s 180
 
 docs: $(STAMP)
 	$(PYTHON) -m common.config --markdown > docs/config.md

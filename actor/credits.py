@@ -65,6 +65,11 @@ class CreditGate:
 
     # -- inputs ---------------------------------------------------------------------------------
 
+    def start_at(self, seq: int) -> None:
+        """Number this process's packs from ``seq`` (before the first credits). A restarted actor continues its
+        id's seqs, so the rank's ``last seq`` of an earlier process of this actor never counts as ours."""
+        self.next_seq = self.baseline_seq = self._seq_at_prev_credits = seq
+
     def on_credits(self, credits: Credits) -> None:
         prev = self.credits
         entry = credits.actors.get(self.actor_id)

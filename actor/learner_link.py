@@ -16,6 +16,17 @@ what unblocks it:
     (and, in the loop, admission); past ``learner_silence_s + learner_wait_timeout_s``, poll says give up.
   - send (:meth:`LearnerLink.send`): ``PackSender.send`` blocks up to ``actor.send_timeout_s`` (it never
     drops); on timeout the pack stays at the head of the outbox and is tried again on the next call.
+  - done: credits with ``done`` (the rank finished training and is closing) set :attr:`LearnerLink.done`;
+    the loop stops at once.
+
+Rejoin (a restarted actor process, by the launcher or by hand, while its learner rank lives on): at the
+first credits, if the rank already lists this actor id (``actors[id] = [last seq L, queued]``), the
+packs of an earlier process of this actor reached it. The sent-pack ledger (``actor.stream.PackLedger``)
+says which keys went into the packs of ``seq <= L`` sent to this learner incarnation: those the rank
+holds (trained, queued, or dropped on arrival as a live actor's would be), so :attr:`rejoin_skip` hands
+them to the stream to skip. Keys of packs sent after ``L`` died with the old process (ZMQ's queue) and
+are produced again, like every sample it had taken but not sent. Seqs continue after the ledger's last
+one, so the rank's ``last seq`` of the old process never counts as an acknowledgement of ours.
 
 A pack is sent only while ``outstanding < share`` (:class:`actor.credits.CreditGate`); the outbox
 keeps every packed segment's sample until its pack is sent, so a pack dropped as stale hands its
@@ -40,7 +51,7 @@ from actor.pipeline import Sample
 from actor.stream import PackLedger
 from common.segment import Pack
 from common.transport import CreditSubscriber, PackSender, TransportTimeout, credit_endpoint, pack_endpoint
-from common.wire import pack_to_frames
+from common.wire import Credits, pack_to_frames
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +77,8 @@ class LearnerLink:
         self.ledger = PackLedger(ledger_path)
         self.outbox: collections.deque[Pack] = collections.deque()
         self.samples: dict[str, Sample] = {}  # key -> sample, from build until its pack is sent
+        self.rejoin_skip: set[str] = set()  # keys the live rank already got from an earlier process of this actor
+        self.done = False  # the rank said it finished training (its last credits)
 
     # ------------------------------------------------------------------------------------ credits
 
@@ -76,8 +89,10 @@ class LearnerLink:
                  self.cfg.actor.learner_wait_timeout_s, self.rank, self.subscriber.endpoint)
         while not stop.is_set():
             try:
-                self.gate.on_credits(self.subscriber.wait_first(min(1.0, max(0.0, deadline - time.monotonic())),
-                                                                hint=self.hint))
+                credits = self.subscriber.wait_first(min(1.0, max(0.0, deadline - time.monotonic())), hint=self.hint)
+                self._join(credits)
+                self.gate.on_credits(credits)
+                self._note_done(credits)
                 return True
             except TransportTimeout:
                 if time.monotonic() >= deadline:
@@ -88,12 +103,40 @@ class LearnerLink:
                     return False
         return False
 
+    def _join(self, credits: Credits) -> None:
+        """Before the first credits count: continue this actor id's seqs; when the rank already knows this id,
+        find what it holds from an earlier process of this actor (module docstring, "Rejoin")."""
+        next_seq, sent = PackLedger.rejoin_state(self.ledger.path)
+        entry = credits.actors.get(self.actor_id)
+        if entry is None:  # a learner incarnation new to this actor id
+            self.gate.start_at(next_seq)
+            self.ledger.mark_learner(next_seq)
+            return
+        last = int(entry[0])
+        self.gate.start_at(max(next_seq, last + 1))
+        self.rejoin_skip = {k for k, seq in sent.items() if seq <= last}
+        self.counts["rejoins"] += 1
+        log.warning("%s: rejoining learner rank %d, which got packs up to seq %d from an earlier process of this actor "
+                    "(%d still queued): %d of their samples are skipped, %d sent after it are produced again; "
+                    "samples that process had not sent are produced again too", self.actor_id, self.rank, last,
+                    int(entry[1]), len(self.rejoin_skip), len(sent) - len(self.rejoin_skip))
+
+    def _note_done(self, credits: Credits) -> None:
+        if credits.done and not self.done:
+            self.done = True
+            log.info("%s: learner rank %d finished training (its last credits say done); stopping", self.actor_id,
+                     self.rank)
+
     def poll(self) -> bool:
         """Take the newest credits; False once the learner has been silent past every deadline."""
         before = self.subscriber.latest
         credits = self.subscriber.poll(0)
         if credits is not None and credits is not before:
+            restarts = self.gate.restarts
             self.gate.on_credits(credits)
+            if self.gate.restarts > restarts:  # a new learner incarnation: packs from baseline_seq on go to it
+                self.ledger.mark_learner(self.gate.baseline_seq)
+            self._note_done(credits)
         age = self.subscriber.age_s() or 0.0
         a = self.cfg.actor
         if age > a.learner_silence_s + a.learner_wait_timeout_s:
@@ -163,8 +206,10 @@ class LearnerLink:
         for pack in self.outbox:
             self.counts["dropped_at_stop"] += len(pack.segments)
         if self.outbox:
-            log.warning("%s: %d packs (%d segments) not sent within actor.stop_timeout_s=%.0fs", self.actor_id,
-                        len(self.outbox), self.counts["dropped_at_stop"], self.cfg.actor.stop_timeout_s)
+            why = ("the learner is done" if self.done
+                   else f"not sent within actor.stop_timeout_s={self.cfg.actor.stop_timeout_s:.0f}s")
+            log.warning("%s: %d packs (%d segments) dropped: %s", self.actor_id, len(self.outbox),
+                        self.counts["dropped_at_stop"], why)
         self.outbox.clear()
 
     def close(self) -> None:

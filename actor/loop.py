@@ -27,6 +27,8 @@ Each wait and what unblocks it:
   - server down: back-off doubling up to ``actor.server_backoff_max_s`` ← the server answering again.
   - learner silent for ``actor.learner_silence_s``: generation pauses; after ``learner_wait_timeout_s``
     more, exit (code 3) with the message.
+  - learner done (its last credits say ``done``): exit 0 at once; rollouts in flight are abandoned and
+    unsent packs counted in ``actor/dropped_at_stop`` (nothing would train them).
   - stop (SIGTERM/SIGINT, or ``actor.max_samples`` taken): in-flight rollouts finish, the packer
     flushes, the outbox drains under credits until the rank acknowledged everything, all within
     ``actor.stop_timeout_s``; leftovers are counted in ``actor/dropped_at_stop``.
@@ -137,11 +139,14 @@ class ActorLoop:
                 return EXIT_NO_LEARNER if not self._stop.is_set() else EXIT_OK
             log.info("%s: learner rank %d is there (%s); share %d packs", self.actor_id, self.rank,
                      self.link.subscriber.endpoint, self.gate.share)
+            self.stream.skip_keys |= self.link.rejoin_skip  # a restarted actor: what the rank already holds
             next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
             while not self._stop.is_set():
                 tick = time.perf_counter()
                 if not self.link.poll():
                     return EXIT_NO_LEARNER
+                if self.link.done:
+                    return self._stop_on_done()
                 idle = not self._inflight
                 self._collect(timeout_s=TICK_S)
                 self._to_outbox(self.packer.pop_ready())
@@ -321,16 +326,27 @@ class ActorLoop:
         deadline = time.monotonic() + self.cfg.actor.stop_timeout_s
         log.info("%s: stopping (%d rollout batches in flight, %d buffered, %d packs in the outbox)",
                  self.actor_id, len(self._inflight), self.packer.buffered, len(self.link.outbox))
-        while self._inflight and time.monotonic() < deadline:
+        while self._inflight and time.monotonic() < deadline and not self.link.done:
             self.link.poll()
             self._collect(timeout_s=TICK_S)
             self._send()
         self._to_outbox(self.packer.flush_all())
-        while (self.link.outbox or self.gate.in_transit) and time.monotonic() < deadline:
+        while (self.link.outbox or self.gate.in_transit) and time.monotonic() < deadline and not self.link.done:
             self.link.poll()
             self._send()
             time.sleep(TICK_S)
         self.link.drop_unsent()
+
+    def _stop_on_done(self) -> int:
+        """The learner finished: nothing sent from now on would be trained, so stop without draining."""
+        for future in self._inflight:
+            future.cancel()
+        self._to_outbox(self.packer.flush_all())
+        log.info("%s: exiting: %d rollout batches in flight abandoned, %d packs unsent", self.actor_id,
+                 len(self._inflight), len(self.link.outbox))
+        self._inflight.clear()
+        self.link.drop_unsent()
+        return EXIT_OK
 
     # ------------------------------------------------------------------------------------- metrics
 
@@ -363,6 +379,7 @@ class ActorLoop:
             "actor/learner_restarts": self.gate.restarts,
             "actor/prompt_mismatch": self.encoder.counters.get("prompt_mismatch", 0) if hasattr(self.encoder, "counters") else 0,
             "actor/resume_skipped": self.stream.skipped,
+            "actor/rejoins": self.c["rejoins"],
         }
         rhs = (out["actor/segments_sent"] + outbox + out["actor/flushed_dropped"] + too_long + out["actor/stale_dropped"]
                + out["actor/buffered"] + out["actor/dropped_at_stop"])

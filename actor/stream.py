@@ -116,16 +116,34 @@ class SampleStream:
 class PackLedger:
     """The actor's own append-only record of which stream keys went into which sent pack.
 
-    One JSON line per pack: ``{"seq": 12, "ver": 3, "keys": ["17@0", "4@0"]}``.
+    One JSON line per pack: ``{"seq": 12, "ver": 3, "keys": ["17@0", "4@0"]}``, and one marker line
+    ``{"event": "learner", "from_seq": 12}`` whenever the actor meets a learner incarnation that had not
+    heard from it yet (at start, or after a learner restart): packs of ``seq >= from_seq`` went to that
+    incarnation. Seqs grow over the whole file, across actor restarts (:meth:`rejoin_state`).
+
+    A restarted actor reads it back (:meth:`rejoin_state`) to tell, together with the learner's credits,
+    which of its predecessor's packs the live learner already holds.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = False
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with self.path.open("rb") as f:
+                f.seek(-1, 2)
+                torn = f.read(1) != b"\n"
         self._f = self.path.open("a", encoding="utf-8")
+        if torn:  # a predecessor killed mid-line: end that line so ours stay readable
+            self._f.write("\n")
 
     def record(self, seq: int, ver: int, keys: list[str]) -> None:
         self._f.write(json.dumps({"seq": seq, "ver": ver, "keys": keys}) + "\n")
+        self._f.flush()
+
+    def mark_learner(self, from_seq: int) -> None:
+        """A learner incarnation new to this actor id starts receiving at ``from_seq``."""
+        self._f.write(json.dumps({"event": "learner", "from_seq": from_seq}) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -133,7 +151,30 @@ class PackLedger:
 
     @staticmethod
     def read(path: str | Path) -> list[dict[str, Any]]:
+        """Every readable line (packs and markers); a torn line is skipped."""
         p = Path(path)
         if not p.exists():
             return []
-        return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        out = []
+        for line in p.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return [x for x in out if isinstance(x, dict)]
+
+    @staticmethod
+    def rejoin_state(path: str | Path) -> tuple[int, dict[str, int]]:
+        """``(next seq, {key: seq})``: the seq after every one in the file, and the keys of the packs sent
+        to the newest learner incarnation (those after its marker), each with its pack's seq."""
+        next_seq, keys = 0, {}
+        for line in PackLedger.read(path):
+            if line.get("event") == "learner":
+                start = int(line.get("from_seq", 0))
+                keys = {k: q for k, q in keys.items() if q >= start}
+                next_seq = max(next_seq, start)
+            elif "seq" in line:
+                seq = int(line["seq"])
+                next_seq = max(next_seq, seq + 1)
+                keys.update({str(k): seq for k in line.get("keys", [])})
+        return next_seq, keys

@@ -53,16 +53,18 @@ def run_arm(name: str, args: argparse.Namespace, overrides: list[str]) -> dict[s
     argv = [sys.executable, "-m", "launcher", "--config", args.config, *ARMS[name],
             f"training.output_dir={out}", f"run_name=bench-quality-{name}", "learner.nproc_per_node=1",
             f"training.max_train_seconds={args.budget_s}", "training.max_steps=100000",
-            f"training.eval_every_steps={args.eval_every}", "training.save_every_steps=0", *overrides]
-    out.mkdir(parents=True, exist_ok=True)
+            f"training.eval_every_steps={args.eval_every}", "training.save_every_steps=0",
+            "training.overwrite=true", *overrides]  # a re-run moves the arm's previous run aside (never deletes)
+    launcher_out = Path(args.out) / f"{name}.launcher.out"  # beside the run: the run dir may be moved aside
+    launcher_out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    with open(out / "launcher.out", "w") as log:
+    with open(launcher_out, "w") as log:
         proc = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                               timeout=args.budget_s * 3 + 300)
     steps, evals = read_split(out)
     if proc.returncode != 0 or not steps:
         raise RuntimeError(f"arm {name} failed (exit {proc.returncode}, {len(steps)} step records); "
-                           f"see {out / 'launcher.out'} and {out / 'logs'}")
+                           f"see {launcher_out} and {out / 'logs'}")
     return arm_figures(name, steps, evals, wall_s=time.monotonic() - t0)
 
 

@@ -117,10 +117,10 @@ if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
   rm -rf "$WORK/bq"
   timeout -k 10 "${BENCH_TIMEOUT_S:-540}" python3 bench/bench_quality.py --config "$CONFIG" --budget-s "$BUDGET_S" --eval-every "$EVAL_EVERY" \
       --arms "$ARMS" --out "$WORK/bq" || echo "bench_quality exited $?"
-  for d in "$WORK"/bq/*/; do
-    [ -f "$d/launcher.out" ] || continue
-    echo "──── $(basename "$d"): launcher.out tail"
-    tail -n 30 "$d/launcher.out"
+  for f in "$WORK"/bq/*.launcher.out; do
+    [ -f "$f" ] || continue
+    echo "──── $(basename "$f") tail"
+    tail -n 30 "$f"
   done
 fi
 ts done

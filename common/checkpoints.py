@@ -1,4 +1,4 @@
-"""Where checkpoints live and what every process reads from them: the latest, the one to resume, the B ledger.
+"""Where checkpoints live and what every process reads from them: the run, the latest, the one to resume, the B ledger.
 
 The learner writes checkpoints (``learner/checkpoint.py``); the actors read them on resume (the B
 ledger tells each actor's stream which keys were trained) and so does the run record. This module is
@@ -7,6 +7,12 @@ the one place that knows the layout both sides share::
     {output_dir}/checkpoints/<step>/            a finished checkpoint (an integer directory name)
     {output_dir}/checkpoints/.tmp-<step>/       one being written (ignored here)
     <checkpoint>/b_ledger_rank<r>.json          {"rank": r, "trained_ids": [B keys rank r trained]}
+    <checkpoint>/trainer_state.json             {"run_id": ..., "global_step": ..., ...}
+    {output_dir}/run_info.json                  {"run_id": ..., ...}: the directory's run (learner/run_record.py)
+
+A run id (uuid4 hex) is made at a run's fresh start and kept by its resumes. ``auto`` resume picks only
+checkpoints of the directory's run: trainer_state.json's ``run_id`` equal to run_info.json's (a
+directory written before run ids: both absent). So a checkpoint another run left behind is never resumed.
 
 No torch: reading a ledger must not need the learner's dependencies.
 """
@@ -18,6 +24,8 @@ import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+RUN_INFO = "run_info.json"
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -35,11 +43,39 @@ def write_b_ledger(checkpoint_dir: str | Path, rank: int, trained_ids: set[str])
     ledger_path(checkpoint_dir, rank).write_text(json.dumps({"rank": rank, "trained_ids": sorted(trained_ids)}))
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """``{output_dir}/checkpoints/<step>`` with the largest integer step, or None."""
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def run_id_of(output_dir: str | Path) -> str | None:
+    """The run id of the run that owns ``output_dir`` (run_info.json's ``run_id``); None if none is recorded."""
+    return _json(Path(output_dir) / RUN_INFO).get("run_id")
+
+
+def checkpoint_run_id(checkpoint_dir: str | Path) -> str | None:
+    """The run id a checkpoint was written by (its trainer_state.json's ``run_id``; None before run ids)."""
+    return _json(Path(checkpoint_dir) / "trainer_state.json").get("run_id")
+
+
+def step_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Every finished checkpoint directory under ``output_dir``, by step, whatever run wrote it."""
     root = checkpoints_root(output_dir)
     steps = [p for p in root.glob("*") if p.is_dir() and p.name.isdigit()] if root.is_dir() else []
-    return max(steps, key=lambda p: int(p.name)) if steps else None
+    return sorted(steps, key=lambda p: int(p.name))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """``{output_dir}/checkpoints/<step>`` of the directory's own run (:func:`run_id_of`) with the largest step."""
+    run_id = run_id_of(output_dir)
+    own = [p for p in step_checkpoints(output_dir) if checkpoint_run_id(p) == run_id]
+    others = len(step_checkpoints(output_dir)) - len(own)
+    if others:
+        log.warning("%s: %d checkpoint(s) of another run (not run id %s) are never resumed", output_dir, others, run_id)
+    return own[-1] if own else None
 
 
 def resolve_resume_checkpoint(resume: str | None, output_dir: str | Path) -> Path | None:

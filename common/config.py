@@ -45,6 +45,8 @@ from common.config_schema import (  # noqa: F401 - re-exported: the schema is pa
     Derived,
     doc,
 )
+from common.config_migration import key_problems, value_problem
+from common.config_server import check_server_rules
 from common.schedule import exact_ratio
 
 log = logging.getLogger(__name__)
@@ -68,18 +70,6 @@ class _Problems(list):
 
 
 _MISSING_VALUE = "<missing>"
-
-# Keys that used to exist: (dotted key) -> fix.
-_LEGACY_KEYS = {
-    "stage2_ab.schedule.pattern": "remove it and set stage2_ab.schedule.b_ratio (e.g. pattern [A, B] → b_ratio: 0.5)",
-    "rollout_matching.temperature": "move it to rollout_matching.decoding.temperature",
-    "rollout_matching.top_p": "move it to rollout_matching.decoding.top_p",
-    "rollout_matching.top_k": "move it to rollout_matching.decoding.top_k",
-    "rollout_matching.rollout_buffer": "remove it: rollout reuse is gone; async prefetch "
-    "(stage2_ab.channel_b.mode: async) replaces it",
-    "rollout_matching.max_new_tokens": "move it to rollout_matching.decoding.max_new_tokens",
-    "training.packing_length": "remove it: packing_length is training.global_max_length",
-}
 
 
 # --------------------------------------------------------------------------------------------- building
@@ -141,8 +131,9 @@ def _build(cls: type, data: Any, prefix: str, problems: _Problems) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
-        if dotted in _LEGACY_KEYS:
-            problems.add(dotted, value, "this key is no longer supported", _LEGACY_KEYS[dotted])
+        if (retired := key_problems(dotted, value)) is not None:  # retired keys, the origin's key paths
+            for args in retired:
+                problems.add(*args)
             continue
         if key not in by_key:
             close = difflib.get_close_matches(str(key), list(by_key), n=1)
@@ -152,6 +143,9 @@ def _build(cls: type, data: Any, prefix: str, problems: _Problems) -> Any:
             problems.add(dotted, value, "unknown key", hint)
             continue
         f = by_key[key]
+        if (unsupported := value_problem(dotted, value)) is not None:
+            problems.add(dotted, value, *unsupported)
+            continue
         kwargs[f.name] = _convert(hints[f.name], value, dotted, problems)
     for f in fields:
         if f.name in kwargs:
@@ -243,20 +237,14 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
         problems.add("rollout_matching.matching.gate", rm.matching.gate, "outside [0, 1]", "use an IoU such as 0.3")
     positive("rollout_matching.matching.candidate_top_k", rm.matching.candidate_top_k)
 
-    server_rollouts = rm.rollout_backend == "vllm" and rm.vllm.mode == "server"
-    if cb.mode == "async":
-        if rm.rollout_backend != "vllm":
-            problems.add("rollout_matching.rollout_backend", rm.rollout_backend, "async mode needs server rollouts",
-                         "set rollout_matching.rollout_backend: vllm (a rollout server; its engine may be hf)")
-        if rm.vllm.mode != "server":
-            problems.add("rollout_matching.vllm.mode", rm.vllm.mode, "async mode needs dedicated rollout servers",
-                         "set rollout_matching.vllm.mode: server")
-        if rm.vllm.sync.mode != "full":
-            problems.add("rollout_matching.vllm.sync.mode", rm.vllm.sync.mode, "async mode needs full weight sync",
-                         "set rollout_matching.vllm.sync.mode: full")
-    if cb.enable_pipeline and not server_rollouts:
-        problems.add("stage2_ab.channel_b.enable_pipeline", True, "the pipeline needs server rollouts on their own GPUs",
-                     "set rollout_matching.rollout_backend: vllm and rollout_matching.vllm.mode: server, or disable it")
+    # Server rollouts (rollout_backend vllm, vllm.mode server, sync.mode full) are the only values the schema takes
+    # (common/config_migration.py refuses the origin's hf and colocate), so every mode has them.
+    if cb.rollouts_per_step is not None and cb.mode != "step":
+        problems.add("stage2_ab.channel_b.rollouts_per_step", cb.rollouts_per_step, f"only used by mode step, not {cb.mode}",
+                     "remove it (async actors roll out what the credits ask for; micro: per_device × GA per B step)")
+    if cfg.learner.pack_wait_s > 0 and cb.mode != "async":
+        problems.add("learner.pack_wait_s", cfg.learner.pack_wait_s, f"only used by mode async, not {cb.mode}",
+                     "remove it (step and micro roll out inside their own B steps)")
     if cb.enable_pipeline and cb.mode != "step":
         problems.add("stage2_ab.channel_b.enable_pipeline", True, f"only used by mode step, not {cb.mode}",
                      "remove it or set stage2_ab.channel_b.mode: step")
@@ -291,7 +279,7 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
             problems.add(f"stage2_ab.{key}", v, "must be ≥ 0", "use 0 to disable the term")
     if isinstance(ab.coord_temperature, float) and ab.coord_temperature <= 0:
         problems.add("stage2_ab.coord_temperature", ab.coord_temperature, "must be > 0", "use 1.0")
-    if not rm.vllm.servers and server_rollouts:
+    if not rm.vllm.servers:
         problems.add("rollout_matching.vllm.servers", [], "no rollout server listed",
                      "add - base_url: http://127.0.0.1:8000")
     for i, s in enumerate(rm.vllm.servers):
@@ -313,6 +301,7 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
                      f"below rollout_matching.vllm.sync.bucket_mb {rm.vllm.sync.bucket_mb}: every bucket would be refused",
                      "raise rollout_server.max_bucket_mb or lower the learner's bucket_mb")
     positive("rollout_server.port", srv.port)
+    check_server_rules(srv, problems)
     positive("transport.base_port", cfg.transport.base_port)
 
 

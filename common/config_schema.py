@@ -91,9 +91,21 @@ class TrainingConfig:
     )
     seed: int = doc("Base seed (learner data order, rollout seeds, actor streams).", 0)
     output_dir: str = doc("Run directory: metrics.jsonl, checkpoints, logs.", "runs/default")
-    resume: str | None = doc("None = fresh; auto = latest checkpoint in output_dir if any; or a checkpoint path.", None)
+    resume: str | None = doc(
+        "None = fresh; auto = the latest checkpoint of this output_dir's run (its run id, run_info.json) if any; "
+        "or a checkpoint path.", None
+    )
+    overwrite: bool = doc(
+        "A start that resumes nothing into an output_dir holding a run (metrics.jsonl, run_info.json or "
+        "checkpoints/<step>) is refused (exit 2) unless this is true: then that run is moved, whole, to "
+        "<output_dir>.old-<its start time> first. Nothing is ever deleted (docs/learner.md, Run directory).", False
+    )
     save_every_steps: int = doc("Checkpoint every N optimizer steps (0 = only at the end).", 0)
-    log_every_steps: int = doc("Metrics record every N optimizer steps (rank 0).", 1)
+    log_every_steps: int = doc(
+        "Warm start only (python -m learner.warm_start): a log line and a warm_start_metrics.jsonl record every N "
+        "steps. The Stage-2 learner writes a metrics.jsonl record every optimizer step (the summary, the plot and "
+        "the conservation checks read every one) and refuses another value at start.", 1
+    )
     tensorboard: bool = doc("Also write TensorBoard events (needs the tensorboard package).", False)
     progress: bool = doc("Progress bar on rank 0.", True)
     eval_every_steps: int = doc(
@@ -197,7 +209,9 @@ class SyncConfig:
 class VLLMConfig:
     """Server-mode rollouts."""
 
-    mode: Literal["server", "colocate"] = doc("server = dedicated rollout servers (required by async).", "server")
+    mode: Literal["server"] = doc(
+        "server = dedicated rollout servers, every mode; colocate (vLLM inside the learner) is refused.", "server"
+    )
     sync: SyncConfig = doc("Weight sync.", factory=SyncConfig)
     servers: list[ServerEndpoint] = doc(
         "Rollout servers; actors spread load over them.",
@@ -238,8 +252,9 @@ class MatchingConfig:
 class RolloutMatchingConfig:
     """Where rollouts come from and how they are matched."""
 
-    rollout_backend: Literal["vllm", "hf"] = doc(
-        "vllm = a tandem rollout server (any engine); hf = in-learner generate (micro/step only).", "vllm"
+    rollout_backend: Literal["vllm"] = doc(
+        "vllm = a tandem rollout server (whatever its engine: rollout_server.engine vllm or hf), the only source of "
+        "rollouts in every mode; in-learner generation (the origin's hf) is refused with that fix.", "vllm"
     )
     vllm: VLLMConfig = doc("Server-mode rollouts.", factory=VLLMConfig)
     decoding: DecodingConfig = doc("Sampling knobs.", factory=DecodingConfig)
@@ -254,7 +269,10 @@ class RolloutServerConfig:
     model_path: str | None = doc("Served model directory; None = model.path.", None)
     host: str = doc("Bind address (loopback unless told otherwise).", "127.0.0.1")
     port: int = doc("HTTP port.", 8000)
-    auth_token: str | None = doc("Bearer token required on /sync/* when set.", None)
+    auth_token: str | None = doc(
+        "Bearer token required on /sync/* (weight sync) when set; required when host is not loopback (the "
+        "config is refused without it). Keep it out of the YAML: auth_token: ${oc.env:TANDEM_SYNC_TOKEN}.", None
+    )
     gpus: list[int] | None = doc("GPU ids of the server (launcher sets CUDA_VISIBLE_DEVICES); must not overlap learner.gpus.", None)
     tensor_parallel_size: int = doc("vLLM tensor parallel size.", 1)
     gpu_memory_utilization: float = doc("vLLM KV-cache memory share.", 0.85)
@@ -281,6 +299,26 @@ class RolloutServerConfig:
     )
     max_bucket_mb: int = doc("Largest /sync/bucket body accepted (bigger is a 413); ≥ the learner's bucket_mb.", 2048)
     shutdown_grace_s: float = doc("On SIGTERM, in-flight requests get this long to finish before they are cut.", 10.0)
+    max_request_mb: int = doc(
+        "Largest request body other than /sync/bucket (/infer, /v1/*, /sync/* JSON), counted as it arrives "
+        "whatever the framing (chunked too): bigger is a 413 before it is buffered.", 64
+    )
+    body_read_timeout_s: float = doc(
+        "A request body that stops arriving this long is a 408; a stalled /sync/bucket upload (gap capped at "
+        "sync_idle_timeout_s) also aborts its sync session, old weights kept, fence reopened.", 30.0
+    )
+    max_request_tokens: int = doc(
+        "Per request: prompt tokens + max_tokens, summed over its items; more is a 413 naming it (clients split).",
+        1048576,
+    )
+    max_request_megapixels: float = doc(
+        "Per request: image pixels summed over its images, read from the headers before anything is decoded; "
+        "more is a 413 naming it (the actors' client splits the batch).", 256.0
+    )
+    max_image_megapixels: float = doc(
+        "Per image: pixels from its header; a larger image is a 413 before it is decoded (PIL refuses "
+        "more than ~179 MP whatever this says).", 40.0
+    )
 
 
 @dataclass
@@ -317,6 +355,11 @@ class TransportConfig:
     hwm: int = doc("ZMQ high-water mark (messages) on pack sockets; ≥ queue_limit.", 64)
     linger_ms: int = doc("ZMQ linger at close.", 0)
     credit_interval_s: float = doc("Learner publishes credits at least this often.", 0.2)
+    max_frame_mb: int | None = doc(
+        "Largest frame a learner rank's pack socket accepts (zmq.MAXMSGSIZE): ZMQ drops a peer that sends a bigger "
+        "one, unread. None = training.global_max_length × 32 KiB + 1 MiB, room for any legal pack of the Qwen-VL "
+        "family; the learner checks at start that its model's biggest legal frame fits.", None
+    )
 
 
 @dataclass
@@ -343,6 +386,27 @@ class LearnerConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """The launcher's supervision (`python -m launcher`): which dead processes it starts again."""
+
+    max_actor_restarts: int = doc(
+        "Restarts granted to each actor process over the run. An actor that exits non-zero is started again "
+        "(after restart_backoff_s) while its budget lasts; then it stays down, logged, and the run goes on without "
+        "it (the learner trains A steps where B packs are short). An actor that exits 0 is not restarted. "
+        "The learner dying ends the run.", 3
+    )
+    max_server_restarts: int = doc(
+        "Restarts granted to the rollout server the launcher started. Meanwhile the learner trains A steps (its "
+        "syncs fail fast) and actors back off; the restarted server gets the learner's weights at the next due "
+        "sync, ver moving on from the learner's. Past the budget, the server's death ends the run. 0 = it always does.",
+        3,
+    )
+    restart_backoff_s: float = doc(
+        "Pause before a process's first restart; doubled for each further restart of that process, at most 60 s.", 2.0
+    )
+
+
+@dataclass
 class Config:
     """The whole tandem configuration."""
 
@@ -355,7 +419,8 @@ class Config:
     actor: ActorConfig = doc("Actor processes.", factory=ActorConfig)
     transport: TransportConfig = doc("Actor ↔ learner links.", factory=TransportConfig)
     learner: LearnerConfig = doc("Learner process.", factory=LearnerConfig)
-    run_name: str = doc("Name used in logs and process titles.", "tandem")
+    launcher: LauncherConfig = doc("Launcher supervision.", factory=LauncherConfig)
+    run_name: str = doc("Name of the run, recorded in run_info.json.", "tandem")
 
     # Filled by validation (never read from YAML): see derive().
     derived: "Derived" = field(default=None, metadata={"doc": "Computed values (not configurable).", "internal": True})  # type: ignore[assignment]

@@ -21,13 +21,15 @@ msgpack and numpy only, so every process (and the CPU-only actor) can import it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.message_base import Message as _Message
 from common.sync_messages import (  # noqa: F401  (re-exported: the /sync/* half of the HTTP contract)
     BUCKET_HEADER,
+    MAX_VER,
+    MAX_VER_JUMP,
     SYNC_DTYPE_BYTES,
     SyncAbortRequest,
     SyncAbortResponse,
@@ -62,7 +64,18 @@ from common.wire import (  # noqa: F401  (re-exported: the ZMQ half of the contr
 MAX_TOKENS_LIMIT = 32768
 #: Upper bound on ``InferRequest.items``; clients split larger batches.
 MAX_BATCH = 1024
+#: Sampling seeds are 0 .. 2**63 - 1: what torch's and vLLM's generators take (a 64-bit seed overflowed).
+MAX_SEED = 2**63 - 1
+#: ``top_k`` and token ids fit an int32 (vLLM keeps them in int32 tensors); larger is never meaningful.
+MAX_INT32 = 2**31 - 1
+#: Repetition penalties outside [1/100, 100] push logits to inf (a NaN distribution on the engine), and no
+#: model is decoded with them: vLLM's and HF's useful range is about 1.0 to 1.5.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+#: Extra stop strings per request, and characters per string (vLLM scans every one after every token).
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 
@@ -83,16 +96,17 @@ class SamplingParams(_Message):
     """Softmax temperature; 0 = greedy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus mass in (0, 1]; 1 = off."""
-    top_k: int = 0
-    """Keep the k most likely tokens; <= 0 = off."""
+    top_k: int = Field(0, ge=-1, le=MAX_INT32)
+    """Keep the k most likely tokens; 0 or -1 = off."""
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     """New tokens to generate at most (required: the server has no safe default)."""
-    seed: int | None = None
-    """Per-request sampling seed; None = the engine's own randomness (not reproducible)."""
-    stop: list[str] = Field(default_factory=list)
-    """Extra stop strings; generation always stops at the chat template's turn end."""
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    """vLLM/HF repetition penalty; 1 = off."""
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    """Per-request sampling seed in 0..2**63-1; None = the engine's own randomness (not reproducible)."""
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    """Extra stop strings (at most 16, each 1..256 characters); generation always stops at the chat
+    template's turn end."""
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    """vLLM/HF repetition penalty in [0.01, 100]; 1 = off."""
     logprobs: bool = Field(False, exclude_if=lambda v: v is False)
     """Return the log-probability of every generated token in ``InferOutput.logprobs``: the sampled
     token's log-softmax under the model's raw logits, before repetition penalty, temperature, top-k and
@@ -153,8 +167,9 @@ class InferItem(_Message):
     """Client tag echoed in ``InferOutput.id`` (e.g. the sample id); None = untagged."""
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     """Chat to continue with the assistant turn; None when ``prompt_token_ids`` is given."""
-    prompt_token_ids: list[int] | None = Field(None, min_length=1)
-    """Already-templated prompt token ids (vision pad tokens included); None when ``messages`` is given."""
+    prompt_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    """Already-templated prompt token ids (vision pad tokens included), each in 0..2**31-1 (one outside
+    the model's vocabulary is a 400 naming it); None when ``messages`` is given."""
     images: list[str] | None = None
     """Images for the image slots in order: server-side file paths or ``data:image/<fmt>;base64,...``
     URIs; None = no images besides inline ones."""
@@ -196,7 +211,7 @@ class InferRequest(_Message):
     """Prompts, 1..MAX_BATCH; outputs come back in the same order."""
     sampling: SamplingParams
     """One set of decoding knobs for the whole batch."""
-    min_ver: int | None = Field(None, ge=0)
+    min_ver: int | None = Field(None, ge=0, le=MAX_VER)
     """Admit the batch only once the server's ver >= min_ver (it waits, up to its infer timeout);
     None = any version."""
     client: str | None = None
@@ -243,7 +258,7 @@ class InferResponse(_Message):
          "elapsed_s": 0.42}
     """
 
-    ver: int = Field(ge=0)
+    ver: int = Field(ge=0, le=MAX_VER)
     """Weight version every output of this batch was generated under."""
     outputs: list[InferOutput]
     """One output per request item, same order."""
@@ -274,7 +289,7 @@ class HealthResponse(_Message):
     """``vllm`` or ``hf``."""
     model: str
     """Model path or name the engine loaded."""
-    ver: int = Field(ge=0)
+    ver: int = Field(ge=0, le=MAX_VER)
     """Current weight version (0 = the checkpoint as loaded, no sync yet)."""
     sync_state: SyncState
     """Where the weight-sync state machine is."""
@@ -300,6 +315,8 @@ ErrorCode = Literal[
     "not_ready",  # 503: engine loading or in error
     "engine_error",  # 500: the engine failed on a valid request
     "not_implemented",  # 501: the selected engine does not serve this route (e.g. /sync/digest)
+    "request_timeout",  # 408: the request body stopped arriving (rollout_server.body_read_timeout_s)
+    "client_closed",  # 499 (logged and counted only): the client disconnected; its generation was cancelled
 ]
 
 

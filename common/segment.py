@@ -22,6 +22,7 @@ What this module does not know: tokenizers, models, or how targets were chosen.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,100 @@ PACK_TENSOR_SPECS: dict[str, tuple[str, int]] = {
 
 class SegmentError(ValueError):
     """A segment or pack violates the layout contract above."""
+
+
+#: Why a learner refuses a pack whose layout is sound (:func:`pack_rejection`; ``future_ver`` is the ready
+#: queue's own check). One counter per reason: ``rejected_<reason>`` (learner/pack_queue.py).
+REJECT_REASONS = ("future_ver", "too_long", "token_id", "nonfinite", "weight", "position", "image", "meta")
+
+#: Bytes per token that a pack frame may carry when no cap is configured (``transport.max_frame_mb``): a legal
+#: pack's biggest frame is its ``pixel_values``, at most merge² (4) patches per token of ≤ 1536 float32
+#: (Qwen2/2.5-VL 1176, Qwen3-VL 1536) = 24 KiB; the rest is < 100 bytes per token.
+FRAME_BYTES_PER_TOKEN = 32 * 1024
+
+
+def default_max_frame_bytes(packing_length: int) -> int:
+    """The frame cap a learner rank puts on its pack socket unless configured: generous for any legal pack."""
+    return int(packing_length) * FRAME_BYTES_PER_TOKEN + (1 << 20)
+
+
+@dataclass(frozen=True)
+class PackLimits:
+    """What a learner accepts in a pack beyond its layout: its model's and its config's numbers.
+
+    Example (Qwen2.5-VL, packing length 4096): ``PackLimits(packing_length=4096, vocab_size=151936,
+    rope_rows=3, image_token_id=151655, patch_dim=1176, merge_size=2, meta_counts=("n_pred", "n_gt"))``.
+    ``None`` switches a check off (a model without a vision tower has no image checks).
+    """
+
+    packing_length: int  # tokens of the biggest pack (training.global_max_length)
+    vocab_size: int  # ids and CE labels lie in [0, vocab_size)
+    rope_rows: int | None = None  # rows of position_ids the model takes (3 mRoPE, 1 otherwise)
+    image_token_id: int | None = None  # placeholders in input_ids: exactly Σ t·h·w / merge² of them
+    patch_dim: int | None = None  # pixel_values width the vision tower takes
+    merge_size: int = 1  # the vision tower merges merge × merge patches into one token
+    meta_counts: tuple[str, ...] = ()  # segment meta counters the learner adds up: finite, 0 .. 2**53
+
+    def largest_frame_bytes(self) -> int:
+        """The biggest frame a legal pack sends: its ``pixel_values`` or its ``position_ids``."""
+        pixels = self.packing_length * self.merge_size ** 2 * (self.patch_dim or 0) * 4
+        return max(pixels, self.packing_length * 8 * (self.rope_rows or 3))
+
+
+def pack_rejection(tensors: Mapping[str, np.ndarray], segment_meta: Sequence[Mapping[str, Any]],
+                   limits: PackLimits) -> tuple[str, str] | None:
+    """``(reason, detail)`` for the first value of a pack that a learner must not train on, None if none.
+
+    ``tensors`` passed :meth:`Pack.from_tensors` (names, dtypes, shapes, ``cu_seqlens``, coords 0..999 are
+    sound); this checks what the layout cannot: values against the model and the config. Each reason is
+    one of :data:`REJECT_REASONS`; ``detail`` names the array and the offending value.
+    """
+    ids, labels, weights = tensors["input_ids"], tensors["labels"], tensors["weights"]
+    t, v = int(ids.shape[0]), limits.vocab_size
+    if t > limits.packing_length:
+        return "too_long", f"{t} tokens > packing length {limits.packing_length}"
+    if t and (ids.min() < 0 or ids.max() >= v):
+        return "token_id", f"input_ids holds {int(ids.min() if ids.min() < 0 else ids.max())}, outside [0, {v})"
+    sup = labels[labels != IGNORE_INDEX]
+    if sup.size and (sup.min() < 0 or sup.max() >= v):
+        return "token_id", f"labels hold {int(sup.min() if sup.min() < 0 else sup.max())}, outside [0, {v}) and not -100"
+    for name in ("weights", "pixel_values"):
+        if not np.isfinite(tensors[name]).all():
+            return "nonfinite", f"{name} holds NaN or inf"
+    if t and weights.min() < 0:
+        return "weight", f"weights hold {float(weights.min())} (a CE weight is ≥ 0)"
+    pos = tensors["position_ids"]
+    if limits.rope_rows is not None and pos.shape[0] != limits.rope_rows:
+        return "position", f"position_ids has {pos.shape[0]} rows, the model takes {limits.rope_rows}"
+    if t and (pos.min() < 0 or pos.max() > limits.packing_length):
+        return "position", f"position_ids hold {int(pos.min())}..{int(pos.max())}, outside 0..{limits.packing_length}"
+    problem = _image_problem(ids, tensors["pixel_values"], tensors["image_grid_thw"], limits)
+    if problem is not None:
+        return "image", problem
+    for i, m in enumerate(segment_meta):
+        inner = m.get("meta", {}) if isinstance(m, Mapping) else {}
+        for key in limits.meta_counts:
+            x = inner.get(key, 0)
+            if type(x) not in (int, float) or not (math.isfinite(x) and 0 <= x <= 2**53):
+                return "meta", f"segment {i} meta[{key!r}] = {x!r} (a count: a finite number 0 .. 2**53)"
+    return None
+
+
+def _image_problem(ids: np.ndarray, pixels: np.ndarray, grid: np.ndarray, limits: PackLimits) -> str | None:
+    """What about a pack's images would fail the model's vision path (None: nothing)."""
+    m = limits.merge_size
+    if grid.size and grid.max() > limits.packing_length * m * m:  # also keeps Σ t·h·w below int64 wrap-around
+        return f"image_grid_thw holds {int(grid.max())}: more patches than a pack of {limits.packing_length} tokens holds"
+    if grid.size and (grid.min() < 1 or (m > 1 and ((grid[:, 1] % m).any() or (grid[:, 2] % m).any()))):
+        return f"image_grid_thw {grid.tolist()[:4]}: sizes must be ≥ 1, h and w multiples of the merge size {m}"
+    if limits.patch_dim is not None and pixels.shape[0] and pixels.shape[1] != limits.patch_dim:
+        return f"pixel_values rows of width {pixels.shape[1]}, the vision tower takes {limits.patch_dim}"
+    if limits.image_token_id is not None:
+        want = int(np.prod(grid, axis=1).sum()) // (m * m) if grid.size else 0
+        have = int((ids == limits.image_token_id).sum())
+        if have != want:
+            return f"{have} image placeholder tokens in input_ids, image_grid_thw implies {want}"
+    return None
 
 
 @dataclass

@@ -23,6 +23,14 @@ BUCKET_HEADER = "X-Tandem-Bucket"
 #: Tensor dtypes of the weight-sync manifest and buckets (torch names), with their byte size.
 SYNC_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 SyncDtype = Literal["bfloat16", "float16", "float32", "float64", "int64", "int32", "uint8"]
+#: Largest weight version any message may carry: exact in JSON (a double), far inside int64 and msgpack, so
+#: every peer can hold it (a ver of 2**64 once crashed an actor's serialiser). A learner syncing every
+#: millisecond would need 285,000 years to reach it.
+MAX_VER = 2**53 - 1
+#: Largest step ``SyncCommitRequest.min_ver`` may ask above the server's ver. The jump exists for a learner
+#: resumed past a freshly restarted server (ver continues from the checkpoint's); a million syncs covers any
+#: real run, and a typo such as 10**30 (ver can never come back down) is refused instead of stored.
+MAX_VER_JUMP = 1_000_000
 
 
 class SyncState(StrEnum):
@@ -121,7 +129,7 @@ class SyncInitResponse(_Message):
 
     session: str
     """Session id to quote in every later call."""
-    ver: int = Field(ge=0)
+    ver: int = Field(ge=0, le=MAX_VER)
     """Server weight version now."""
     dtype: SyncDtype
     """Serving dtype floating-point weights are cast to before sending."""
@@ -155,7 +163,7 @@ class SyncBeginResponse(_Message):
         {"ver_before": 3, "drained": 12, "aborted": 0, "fence_s": 0.8}
     """
 
-    ver_before: int = Field(ge=0)
+    ver_before: int = Field(ge=0, le=MAX_VER)
     """Weight version the staged update will replace."""
     drained: int = Field(ge=0)
     """In-flight requests that finished before the fence closed."""
@@ -242,10 +250,12 @@ class SyncCommitRequest(_Message):
     manifest is incomplete."""
     fingerprint: str | None = None
     """Learner-side weights fingerprint to compare after the swap; None = skip the comparison."""
-    min_ver: int | None = Field(default=None, ge=0)
+    min_ver: int | None = Field(default=None, ge=0, le=MAX_VER)
     """Lowest ver this commit may produce: the server sets ``ver = max(previous + 1, min_ver)``.
     The learner passes its own ver + 1, so ver continues from ``max(server ver, checkpoint ver) + 1``
-    after a learner resume or a server restart and never goes back. None = previous + 1."""
+    after a learner resume or a server restart and never goes back. None = previous + 1. At most
+    :data:`MAX_VER`, and at most :data:`MAX_VER_JUMP` above the server's ver (else a 422 naming
+    ``min_ver``, and the session is aborted with the old weights kept)."""
 
 
 class SyncCommitResponse(_Message):
@@ -255,7 +265,7 @@ class SyncCommitResponse(_Message):
         {"ver": 4, "commit_s": 0.12, "fingerprint": "9c1e2a0b5d7f3e11"}
     """
 
-    ver: int = Field(ge=0)
+    ver: int = Field(ge=0, le=MAX_VER)
     """New weight version: ``max(previous + 1, min_ver)``."""
     commit_s: float = Field(ge=0)
     """Seconds to swap weights and reset caches."""
@@ -283,7 +293,7 @@ class SyncAbortResponse(_Message):
         {"ver": 3, "state": "idle", "aborted": true}
     """
 
-    ver: int = Field(ge=0)
+    ver: int = Field(ge=0, le=MAX_VER)
     """Weight version still served (unchanged)."""
     state: SyncState
     """State after the abort (``idle``)."""
@@ -304,7 +314,7 @@ class SyncDigestResponse(_Message):
 
     engine: str
     """``vllm`` or ``hf``."""
-    ver: int = Field(ge=0)
+    ver: int = Field(ge=0, le=MAX_VER)
     """Weight version the digests were computed under."""
     digests: list[str] = Field(min_length=1)
     """Hex digest per worker (tensor x data parallel rank order); the hf engine has one."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from common.segment import default_max_frame_bytes
 from common.wire import Credits, ProtocolError, decode_credits
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ def pack_endpoint(transport_cfg: Any, rank: int) -> str:
 def credit_endpoint(transport_cfg: Any, rank: int) -> str:
     """``tcp://host:(base_port + 2·rank + 1)``: where learner rank ``rank`` binds its PUB for credits."""
     return f"tcp://{transport_cfg.host}:{_port(transport_cfg, rank, 1)}"
+
+
+def max_frame_bytes(transport_cfg: Any, packing_length: int) -> int:
+    """The pack socket's frame cap: ``transport.max_frame_mb``, or :func:`common.segment.default_max_frame_bytes`."""
+    mb = getattr(transport_cfg, "max_frame_mb", None)
+    return int(mb) << 20 if mb is not None else default_max_frame_bytes(packing_length)
 
 
 class TransportTimeout(TimeoutError):
@@ -148,15 +155,24 @@ class PackReceiver:
     - Restart: binding again on the same port after :meth:`close` works at once (ZMQ sets
       ``SO_REUSEADDR``); the actors' PUSH sockets reconnect by themselves.
     - Slow joiner: not an issue for PUSH/PULL — nothing is sent until a connection exists.
+    - Size cap: ``MAXMSGSIZE = max_frame_bytes`` (:func:`max_frame_bytes`). ZMQ reads a frame's declared
+      size before allocating it and, past the cap, drops the connection: the peer's message is lost, the
+      receiver never grows, and nothing reaches the application (no error, no event but an ordinary
+      disconnect), so the loss shows only as that actor's seq gap and its lost-pack count. The sender
+      reconnects by itself. The cap is per frame (libzmq 4.3): the number of frames of one message is not
+      bounded by ZMQ — a peer that may not be trusted belongs outside the learner's network.
     """
 
-    def __init__(self, endpoint: str, *, hwm: int = 64, linger_ms: int = 0, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, endpoint: str, *, hwm: int = 64, linger_ms: int = 0, ctx: zmq.Context | None = None,
+                 max_frame_bytes: int = -1) -> None:
         self.endpoint = endpoint
         self.linger_ms = linger_ms
+        self.max_frame_bytes = max_frame_bytes  # -1: no cap
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # before bind: accepted connections copy it
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as exc:

@@ -12,7 +12,8 @@ Pack message, one ZMQ multipart message per pack::
         "schema":     int,    SCHEMA_VERSION of the sender; any other value is rejected
         "ver":        int,    server weight version every segment of the pack was generated under
         "actor":      str,    sender id, e.g. "actor-r0-0"
-        "seq":        int,    per-actor message counter from 0 (gaps = messages lost on the way)
+        "seq":        int,    per-actor message counter from 0 (gaps = messages lost on the way); a
+                              restarted actor continues its id's count (actor/learner_link.py, "Rejoin")
         "created_at": float,  sender wall clock, seconds since the epoch (time.time())
         "n_segments": int,    segments in the pack
         "n_tokens":   int,    T, tokens in the pack
@@ -36,6 +37,12 @@ of the received frames (``recv_multipart(copy=False)``).
 Credits message, one single-frame msgpack map per update (learner rank r -> its actors)::
 
     {"schema", "rank", "ver_current", "depth", "target", "version_window", "received_total", "ts", "actors"}
+    + optional "done": true   only in the rank's last message, sent as it shuts down (its actors exit)
+
+Optional keys are how a message grows without a schema bump: a receiver accepts a message with or
+without them (absent = the field's default), and a sender writes one only when it differs from that
+default, so an ordinary message stays byte-identical to what older receivers expect. An older actor
+that receives a ``done`` message counts it as invalid and falls back to its silence deadline.
 
 Decoding never raises anything but :class:`ProtocolError`: a receiver catches that one type, counts
 the message as dropped, and keeps going. What this module does not know: sockets, packing policy,
@@ -77,6 +84,8 @@ PACK_HEADER_KEYS = frozenset(
 CREDITS_KEYS = frozenset(
     {"schema", "rank", "ver_current", "depth", "target", "version_window", "received_total", "ts", "actors"}
 )
+#: Keys added after schema 1 went out: a message may omit them (see the module docstring).
+CREDITS_OPTIONAL_KEYS = frozenset({"done"})
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape"})
 
 
@@ -121,6 +130,10 @@ class Credits:
     #: per actor id: [last seq received from it, its packs still in the ready queue]; actors this
     #: rank has not heard from yet are absent
     actors: dict[str, list[int]] = field(default_factory=dict)
+    #: True only in the last message of a rank that finished training and is closing its sockets:
+    #: its actors stop at once (exit 0) instead of waiting out ``actor.learner_silence_s`` +
+    #: ``actor.learner_wait_timeout_s``. Optional on the wire (absent = False).
+    done: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,8 +242,12 @@ def encode_credits(
     received_total: int,
     actors: Mapping[str, Sequence[int]] | None = None,
     ts: float | None = None,
+    done: bool = False,
 ) -> bytes:
-    """One frame for ``socket.send(...)``; ``actors`` maps actor id -> (last seq received, queued)."""
+    """One frame for ``socket.send(...)``; ``actors`` maps actor id -> (last seq received, queued).
+
+    ``done``: this is the rank's last message (it finished training); written only when True.
+    """
     message = {
         "schema": SCHEMA_VERSION,
         "rank": int(rank),
@@ -242,6 +259,8 @@ def encode_credits(
         "ts": float(time.time() if ts is None else ts),
         "actors": {str(a): [int(seq), int(queued)] for a, (seq, queued) in (actors or {}).items()},
     }
+    if done:
+        message["done"] = True
     return _packb(message, "credits")
 
 
@@ -252,8 +271,10 @@ def decode_credits(frame: Any) -> Credits:
             raise ProtocolError(f"a credits message is one frame, got {len(frame)}")
         frame = frame[0]
     message = _unpack_map(frame, "credits")
-    _check_keys(message, CREDITS_KEYS, "credits")
+    _check_keys(message, CREDITS_KEYS, "credits", optional=CREDITS_OPTIONAL_KEYS)
     _check_schema(message["schema"], "credits")
+    if "done" in message and type(message["done"]) is not bool:
+        raise ProtocolError(f"credits 'done' must be true or false, got {message['done']!r}")
     for key in CREDITS_KEYS - {"schema", "ts", "actors"}:
         _check_int(message[key], f"credits {key!r}")
     _check_time(message["ts"], "credits 'ts'")
@@ -308,9 +329,9 @@ def _unpack_map(frame: Any, what: str) -> dict:
     return obj
 
 
-def _check_keys(obj: dict, expected: frozenset, what: str) -> None:
+def _check_keys(obj: dict, expected: frozenset, what: str, optional: frozenset = frozenset()) -> None:
     keys = set(obj)
-    missing, extra = expected - keys, keys - expected
+    missing, extra = expected - keys, keys - expected - optional
     if missing or extra:
         parts = ([f"missing keys {sorted(missing)}"] if missing else []) + (
             [f"unknown keys {sorted(map(str, extra))}"] if extra else []

@@ -1,8 +1,8 @@
 """``python -m launcher --config PATH [--dry-run] [dotted overrides]``: the whole topology, supervised.
 
-Validates the config and the GPU split before starting anything, starts the rollout server, the
-learner (torchrun) and the actors with per-process logs under ``{output_dir}/logs/``, tears
-everything down when any process dies, then prints the run summary and writes the plot.
+Validates the config, the GPU split and the output directory (``common/run_dir.py``) before starting anything,
+starts the rollout server, the learner (torchrun) and the actors (logs in ``{output_dir}/logs/``), restarts a dead
+actor or server within the ``launcher.*`` budgets, ends with the learner, then prints the summary and the plot.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from common import cli
+from common.run_dir import StartRefused, prepare_start
 from launcher.plan import PlanError, build_plan  # light: the config schema, no torch
 
 
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(cfg.training.output_dir)
     try:
         specs = build_plan(cfg, args.config, args.overrides, out / "logs", start_server=not args.no_server)
-    except PlanError as exc:
+        prepare_start(cfg, move=not args.dry_run)  # the learner's own check, before anything starts (no logs yet)
+    except (PlanError, StartRefused) as exc:
         print(f"launcher: {exc}", file=sys.stderr)
         return cli.EXIT_USAGE
     print(f"tandem launcher: {len(specs)} processes, output in {out}")
@@ -39,8 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.summary import print_summary
     from launcher.supervisor import Supervisor
 
-    if not cfg.training.resume:
-        (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run's metrics start empty; resumed runs append
     sup = Supervisor(specs, health_timeout_s=cfg.rollout_matching.vllm.timeout_s, grace_s=args.grace_s)
     t0 = time.monotonic()
     code = sup.run()

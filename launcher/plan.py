@@ -1,8 +1,10 @@
 """What the launcher will start, computed from the config alone (``--dry-run`` prints it).
 
 A plan is a list of :class:`ProcessSpec`: argv, environment additions (GPU visibility), the log
-file, and how readiness is checked. Nothing here starts a process, so the plan can be checked
-before any GPU is touched: overlapping GPU sets between the server and the learner are refused.
+file, how readiness is checked, and how often the supervisor may start it again after it died
+(``launcher.max_actor_restarts``, ``launcher.max_server_restarts``). Nothing here starts a process, so
+the plan can be checked before any GPU is touched: overlapping GPU sets between the server and the
+learner are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     log: Path | None = None
     health_url: str | None = None  # HTTP URL that answers 200 once ready (server)
+    max_restarts: int = 0  # times the supervisor starts it again after it died (actors: exit ≠ 0); 0 = final
+    restart_backoff_s: float = 2.0  # pause before the first restart, doubled for each further one (≤ 60 s)
 
     def shell(self) -> str:
         envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
@@ -63,6 +67,7 @@ def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Pat
             name="rollout_server", role="server",
             argv=[python, "-m", "rollout_server", *common],
             env=_gpu_env(srv.gpus), log=log_dir / "rollout_server.log", health_url=f"{url}/health",
+            max_restarts=max(0, cfg.launcher.max_server_restarts), restart_backoff_s=cfg.launcher.restart_backoff_s,
         ))
     learner_argv = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                     "learner/main.py", *common]
@@ -75,5 +80,6 @@ def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Pat
                 name=f"actor_r{rank}_{index}", role="actor",
                 argv=[python, "-m", "actor", "--rank", str(rank), "--index", str(index), *common],
                 env={**_gpu_env(None), "OMP_NUM_THREADS": "1"}, log=log_dir / f"actor_r{rank}_{index}.log",
+                max_restarts=max(0, cfg.launcher.max_actor_restarts), restart_backoff_s=cfg.launcher.restart_backoff_s,
             ))
     return specs

@@ -98,6 +98,8 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "b_ratio_realized": len(b_recs) / len(records),
         "drop_stale_total": int(last.get(K + "drop_stale_total", 0)),
         "drop_oldest_total": int(last.get(K + "drop_oldest_total", 0)),
+        "rejected_total": int(last.get(K + "rejected_total", 0)),
+        "nonfinite_skipped": int(last.get("learner/nonfinite_skipped_total", 0)),
         "ver_final": int(final["ver"]) if final else int(last.get(K + "ver_current", 0)),
         "syncs": _syncs(records, final),
         "packs_trained_b": trained_b,
@@ -191,7 +193,8 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"B wanted by policy     {s['policy_wanted_b']}  (skipped for short queues: {s['b_skipped_due_to_queue']})",
         f"b_ratio realised       {f(s['b_ratio_realized'])}",
         f"packs trained (B)      {s['packs_trained_b']}",
-        f"drops: stale / oldest  {s['drop_stale_total']} / {s['drop_oldest_total']}",
+        f"drops: stale / oldest  {s['drop_stale_total']} / {s['drop_oldest_total']}  (packs rejected at admission: "
+        f"{s.get('rejected_total', 0)}; steps skipped for a non-finite loss: {s.get('nonfinite_skipped', 0)})",
         f"final ver              {s['ver_final']}  (syncs: {s['syncs']})",
         f"sync stall per sync    {f(s.get('sync_stall_median_s'))} s  ({s.get('sync_mode', 'blocking')}, median of "
         f"{s.get('sync_stall_n', 0)} after the first; {_pct(s.get('sync_stall_share'))} of training time)",

@@ -1,4 +1,4 @@
-"""Start the plan's processes, watch them, and tear everything down when one dies.
+"""Start the plan's processes, watch them, restart dead actors and servers, and tear everything down at the end.
 
 Data flow of a supervised run::
 
@@ -7,9 +7,22 @@ Data flow of a supervised run::
           │
           ▼ every 0.2 s: poll every child
     learner exited 0 ─────────► SIGTERM actors + server, wait `grace_s`, SIGKILL leftovers
-    any child exited ≠ 0, or a
-    server/actor exited early ─► same teardown, run fails naming the process and its log tail
+    learner exited ≠ 0 ───────► same teardown, run fails naming the process and its log tail
+    an actor exited ≠ 0 ──────► restart it after its back-off (spec.restart_backoff_s, doubled per restart
+                                of that process, ≤ 60 s) while its budget (spec.max_restarts =
+                                launcher.max_actor_restarts) lasts; then it stays down (warned) and the
+                                run goes on without it: the learner needs no actor (A steps where B
+                                packs are short), so the run's exit code stays the learner's
+    an actor exited 0 ────────► finished (its learner rank said done, or actor.max_samples): not restarted
+    the server exited ────────► restarted the same way (launcher.max_server_restarts); out of restarts,
+                                same teardown and the run fails. Meanwhile the learner trains A steps
+                                (its syncs fail fast) and actors back off; the restarted server gets the
+                                learner's weights at its next due sync, ver moving on from the learner's.
     SIGINT / SIGTERM to us ────► same teardown, exit 130/143
+
+Before a restart the dead leader's process group is SIGKILLed (an engine's workers must not keep
+its GPU memory). A restarted actor finds its place by itself (``actor/learner_link.py``, "Rejoin"): what the live learner
+already holds from the dead process is skipped, what died with it is produced again.
 
 Each child runs in its own session (process group), so teardown reaches torchrun's workers; we
 only ever signal the groups we created.
@@ -44,6 +57,25 @@ class Child:
     started: float = field(default_factory=time.monotonic)
     returncode: int | None = None
     stopped_by_us: bool = False
+    restarts: int = 0  # processes started again for this spec
+    earlier_exits: list[int] = field(default_factory=list)  # exit codes of the processes restarted since
+    earlier_pids: list[int] = field(default_factory=list)  # their pids = their process groups (reaped at teardown)
+    restart_at: float | None = None  # time.monotonic() of a pending restart (the process is dead meanwhile)
+    settled: bool = False  # an actor that exited for good: finished (0) or out of restarts (given up)
+
+    @property
+    def down(self) -> bool:
+        """Dead on its own at the end: an actor out of restarts, or an actor or server whose restart was pending."""
+        restartable = self.spec.role == "actor" or self.restart_at is not None
+        return restartable and not self.stopped_by_us and self.proc.returncode not in (0, None)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left in a process group we created (the group id is its leader's pid)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def tail(path: Path | None, n: int = 25) -> str:
@@ -64,7 +96,7 @@ class Supervisor:
         self._interrupted: int | None = None
 
     # ---------------------------------------------------------------- lifecycle
-    def _start(self, spec: ProcessSpec) -> Child:
+    def _spawn(self, spec: ProcessSpec) -> subprocess.Popen:
         assert spec.log is not None
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         out = open(spec.log, "ab", buffering=0)
@@ -73,9 +105,50 @@ class Supervisor:
                                 start_new_session=True)
         out.close()
         log.info("started %s (pid %d): %s  [log %s]", spec.name, proc.pid, spec.shell(), spec.log)
-        child = Child(spec, proc)
+        return proc
+
+    def _start(self, spec: ProcessSpec) -> Child:
+        child = Child(spec, self._spawn(spec))
         self.children.append(child)
         return child
+
+    def _watch(self, c: Child) -> str | None:
+        """One look at an actor or the server: restart it when due; on an exit, settle it, schedule its restart,
+        or (the server out of restarts) return the failure that ends the run."""
+        now = time.monotonic()
+        if c.restart_at is not None:
+            if now >= c.restart_at:
+                c.restart_at = None
+                c.earlier_exits.append(c.proc.returncode)
+                c.earlier_pids.append(c.proc.pid)
+                _kill_group(c.proc.pid)  # what the dead leader left in its group (e.g. engine workers holding a GPU)
+                c.restarts += 1
+                c.proc, c.started = self._spawn(c.spec), now
+                log.warning("%s restarted (restart %d of %d)", c.spec.name, c.restarts, c.spec.max_restarts)
+            return None
+        rc = c.proc.poll()
+        if rc is None or c.settled:
+            return None
+        actor, key = c.spec.role == "actor", f"launcher.max_{c.spec.role}_restarts"
+        if actor and rc == 0:
+            c.settled = True
+            log.info("%s finished (exit 0 after %.0f s); not restarted", c.spec.name, now - c.started)
+            return None
+        if c.restarts >= c.spec.max_restarts:
+            spent = f" and has used its {c.spec.max_restarts} restarts ({key})" if c.spec.max_restarts else ""
+            if not actor:
+                return (f"{c.spec.name} exited with {rc}{spent} while the learner was still training; "
+                        f"log tail ({c.spec.log}):\n{tail(c.spec.log)}")
+            c.settled = True
+            log.warning("%s exited with %d%s: the run goes on without it (the learner trains A steps where its B packs "
+                        "are short); log tail (%s):\n%s", c.spec.name, rc, spent, c.spec.log, tail(c.spec.log))
+            return None
+        delay = min(60.0, c.spec.restart_backoff_s * 2 ** c.restarts)
+        c.restart_at = now + delay
+        log.warning("%s exited with %d after %.0f s; restart %d of %d in %.1f s (%s, launcher.restart_backoff_s); "
+                    "log tail (%s):\n%s", c.spec.name, rc, now - c.started, c.restarts + 1, c.spec.max_restarts, delay,
+                    key, c.spec.log, tail(c.spec.log))
+        return None
 
     def _wait_healthy(self, child: Child) -> None:
         url = child.spec.health_url
@@ -127,21 +200,15 @@ class Supervisor:
                     pass
                 c.proc.wait(timeout=10)
         # Reap stragglers in the groups (torchrun workers) even if the leader already exited.
-        for c in self.children:
-            try:
-                os.killpg(c.proc.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                continue
-            try:
-                os.killpg(c.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for pgid in [pid for c in self.children for pid in (*c.earlier_pids, c.proc.pid)]:
+            _kill_group(pgid)
         for c in self.children:
             c.returncode = c.proc.poll()
 
     # ---------------------------------------------------------------- run
     def run(self) -> int:
-        """Run to completion; returns the launcher's exit code (0 iff every process exited 0)."""
+        """Run to completion; the launcher's exit code: 0 iff the learner exited 0 and every process still running
+        at the end stopped cleanly (actors down at the end, restarts spent, are warned about, not failed)."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         failure: str | None = None
         try:
@@ -153,12 +220,8 @@ class Supervisor:
             while True:
                 self._check_interrupt()
                 for c in self.children:
-                    rc = c.proc.poll()
-                    if rc is None or c is learner:
-                        continue
-                    failure = (f"{c.spec.name} exited with {rc} while the learner was still training; "
-                               f"log tail ({c.spec.log}):\n{tail(c.spec.log)}")
-                    break
+                    if c is not learner and (failure := self._watch(c)):
+                        break
                 if failure:
                     break
                 rc = learner.proc.poll()
@@ -175,7 +238,11 @@ class Supervisor:
             self.teardown()
             for s, h in old.items():
                 signal.signal(s, h)
-        codes = {c.spec.name: c.returncode for c in self.children}
+        codes = {c.spec.name: c.returncode for c in self.children if not c.down}
+        restarted = {c.spec.name: c.restarts for c in self.children if c.restarts}
+        if restarted or any(c.down for c in self.children):
+            log.warning("restarts: %s; down at the end (the run went on without them): %s", restarted or "none",
+                        [c.spec.name for c in self.children if c.down] or "none")
         if failure:
             log.error("run failed: %s", failure)
             return 130 if self._interrupted == signal.SIGINT else (143 if self._interrupted else 1)
@@ -192,5 +259,6 @@ class Supervisor:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
             "processes": [{"name": c.spec.name, "role": c.spec.role, "pid": c.proc.pid, "returncode": c.returncode,
+                           "restarts": c.restarts, "earlier_exits": c.earlier_exits, "down": c.down,
                            "argv": c.spec.argv, "log": str(c.spec.log)} for c in self.children],
         }, indent=2))

@@ -7,7 +7,8 @@ Layout (``{training.output_dir}/checkpoints/<global_step>/``; single node: every
                                and what a resumed learner loads its weights from
     optimizer.pt               AdamW state (replicated under DDP: rank 0 writes it, every rank reads it)
     scheduler.pt               LR scheduler state
-    trainer_state.json         global_step, ver, counters (steps, skips, syncs), world_size
+    trainer_state.json         run_id (the run that wrote it: ``auto`` resume takes only its own run's),
+                               global_step, ver, counters (steps, skips, syncs), world_size
     rank<r>.json               rank r: Channel-A sampler position + carry, queue counters, forward counts
     rng_rank<r>.pt             rank r: python, numpy, torch (and CUDA) RNG states
     b_ledger_rank<r>.json      rank r: {"rank": r, "trained_ids": [B sample ids trained so far]}
@@ -16,7 +17,7 @@ Layout (``{training.output_dir}/checkpoints/<global_step>/``; single node: every
 
 Write protocol: every rank writes into ``checkpoints/.tmp-<step>``; barrier; rank 0 renames it to
 ``checkpoints/<step>``; barrier. A crash mid-write leaves only the dot-directory, which ``auto``
-resume ignores (it takes the highest integer directory).
+resume ignores (it takes the highest integer directory of the run's own run id).
 
 Queues are not checkpointed: packs waiting at save time are re-produced by the actors after a
 resume (their keys are not in the ledger). The saved queue counters therefore drop ``in_queue`` and

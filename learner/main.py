@@ -4,7 +4,8 @@
     python learner/main.py --config PATH [...]          # W = 1, no torchrun needed
 
 Loads the config with the world size torchrun announced (errors: exit 2, every problem listed),
-names the process, has rank 0 write the run record (``learner/run_record.py``), and only then
+names the process, has rank 0 check the output directory (``common/run_dir.py``: a start that would
+mix with another run exits 2) and write the run record (``learner/run_record.py``), and only then
 imports torch and transformers (``--help`` and config errors answer in well under a second), calls
 ``learner.train.run`` once, and tears the process group down in ``finally``.
 """
@@ -13,22 +14,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script (torchrun learner/main.py): import from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import cli  # noqa: E402 - after the path fix above
-
-def _record_run(cfg: Any, world_size: int) -> None:
-    """Rank 0 keeps what produced the run in its directory, before any training (learner/run_record.py)."""
-    from learner.run_record import resume_step, write_run_record
-
-    try:
-        step = resume_step(cfg.training.resume, cfg.training.output_dir)
-    except FileNotFoundError:
-        return  # not a checkpoint: the learner's start reports it; a fresh record here would replace the run's
-    write_run_record(cfg, cfg.training.output_dir, world_size=world_size, resumed_from_step=step)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     if (cfg := cli.load(args.config, args.overrides, world_size=world_size)) is None:
         return cli.EXIT_USAGE
     cli.setup_process("learner", rank)
-    if rank == 0:
-        _record_run(cfg, world_size)
+    if rank == 0:  # before anything is written: refuse a start that would mix with another run, keep the record
+        from learner.run_record import start_run
+
+        if (refused := start_run(cfg, world_size)) is not None:
+            print(refused, file=sys.stderr)
+            return cli.EXIT_USAGE
 
     from common.config import ConfigError
     from learner.distributed import Dist  # heavy (torch): deferred until the config is known to be good

@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from common.matching import precision_recall_f1
-from learner.pack_queue import COUNTER_NAMES
+from learner.pack_queue import COUNTER_NAMES, REJECTED
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "stage2_ab/async/drop_oldest_total": total("queue_oldest_dropped"),
         "stage2_ab/async/drop_duplicate_total": total("queue_duplicate_dropped"),
         "stage2_ab/async/malformed_total": total("queue_malformed"),
+        "stage2_ab/async/rejected_total": sum(total(f"queue_{name}") for name in REJECTED),
         "stage2_ab/async/trained_pack_vers": [r.trained_vers for r in per_rank],
         "stage2_ab/async/kinds_by_rank": ["B" if r["kind_b"] else "A" for r in per_rank],
         "stage2_ab/async/ver_current_by_rank": [int(r["ver_current"]) for r in per_rank],
@@ -156,12 +159,13 @@ class MetricsWriter:
     Two writers share ``metrics.jsonl``: the training thread (:meth:`write`, one step record per
     optimizer step) and the evaluation thread (:meth:`write_eval`, one ``"record": "eval"`` line per
     evaluation). One lock serialises them, so every line is whole; step records carry no ``record``
-    key (readers treat a missing one as ``"step"``, see ``launcher.summary.read_metrics``).
+    key (readers treat a missing one as ``"step"``, see ``launcher.summary.read_metrics``). Every line
+    carries the run's ``run_id`` (``common/checkpoints.py``), so lines of two runs can never be confused.
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, progress: bool,
-                 start_step: int, max_steps: int) -> None:
-        self.enabled = enabled
+                 start_step: int, max_steps: int, run_id: str | None = None) -> None:
+        self.enabled, self.run_id = enabled, run_id
         self._jsonl = self._tb = self._bar = None
         self._lock = threading.Lock()
         if not enabled:
@@ -169,6 +173,7 @@ class MetricsWriter:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "metrics.jsonl"
+        set_aside_superseded(self.path, start_step)
         self._jsonl = self.path.open("a", encoding="utf-8")
         if tensorboard:
             try:
@@ -210,7 +215,7 @@ class MetricsWriter:
         if self._jsonl is None:  # an evaluation that finished after close(): say so rather than raise in its thread
             log.warning("metrics record of step %s arrived after the writer closed; not written", record.get("step"))
             return
-        self._jsonl.write(json.dumps(record, default=_plain) + "\n")
+        self._jsonl.write(json.dumps({**record, "run_id": self.run_id}, default=_plain) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for k, v in record.items():
@@ -223,6 +228,31 @@ class MetricsWriter:
                 if sink is not None:
                     sink.close()
             self._jsonl = self._tb = self._bar = None
+
+
+def set_aside_superseded(path: Path, start_step: int) -> Path | None:
+    """A resume from step S trains steps S, S+1, ... again: lines an earlier attempt of the run wrote for them
+    (step and evaluation records with ``step >= S``), and a line torn by a kill, move to
+    ``metrics.superseded-<UTC time>.jsonl`` next to it (never deleted), so each step has one record."""
+    if start_step <= 0 or not path.is_file():
+        return None
+    keep, gone = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            step = start_step  # torn or foreign: set aside with the superseded lines
+        (gone if not line.endswith("\n") or not isinstance(step, int) or step >= start_step else keep).append(line)
+    if not gone:
+        return None
+    aside = path.with_name(f"metrics.superseded-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.jsonl")
+    aside.write_text("".join(gone), encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+    log.warning("resume from step %d: %d metrics line(s) of steps it trains again moved to %s", start_step,
+                len(gone), aside.name)
+    return aside
 
 
 def _plain(obj: Any) -> Any:

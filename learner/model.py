@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.segment import PackLimits
 from common.tokens import require_coord_tokens
 from learner.loss import Rows, supervised_rows
 
@@ -153,6 +154,21 @@ def forward_rows(model: torch.nn.Module, inputs: PackInputs) -> torch.Tensor:
     return logits
 
 
+def pack_limits(model: torch.nn.Module, packing_length: int, rope_rows: int | None,
+                meta_counts: tuple[str, ...] = ()) -> PackLimits:
+    """What this policy can take from a pack (``common.segment.pack_rejection``): vocabulary, rope rows, images."""
+    inner = getattr(model, "module", model)
+    vocab = min(inner.get_input_embeddings().weight.shape[0], inner.get_output_embeddings().weight.shape[0])
+    vis = vision_tower(model)
+    patch_dim = merge = None
+    if vis is not None:
+        c = vis.config
+        patch_dim, merge = c.in_channels * c.temporal_patch_size * c.patch_size ** 2, c.spatial_merge_size
+    return PackLimits(packing_length=packing_length, vocab_size=int(vocab), rope_rows=rope_rows,
+                      image_token_id=getattr(inner.config, "image_token_id", None) if vis is not None else None,
+                      patch_dim=patch_dim, merge_size=merge or 1, meta_counts=meta_counts)
+
+
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     """The Qwen2/2.5-VL vision tower under a (possibly DDP-wrapped) policy, or None."""
     inner = getattr(getattr(model, "module", model), "model", None)
@@ -196,15 +212,25 @@ def build_optimizer(model: torch.nn.Module, training: Any) -> tuple[torch.optim.
 
 
 def clip_and_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float,
+    *, loss_finite: bool = True,
 ) -> float:
-    """Clip (if ``max_grad_norm`` > 0), step, zero; returns the pre-clip gradient norm."""
+    """Clip (if ``max_grad_norm`` > 0), step, zero; returns the pre-clip gradient norm.
+
+    A non-finite gradient norm, or ``loss_finite`` False, skips the update: the gradients are zeroed; the
+    weights, the optimizer state and the LR schedule stay as they were (so no NaN reaches a sync or a
+    checkpoint). The caller tells a skip by ``loss_finite`` and ``math.isfinite`` of the returned norm. Under
+    DDP the norm is the same on every rank (the gradients were all-reduced), so every rank makes the same choice.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
-    if max_grad_norm > 0:
+    if not params:
+        norm = 0.0
+    elif max_grad_norm > 0 and loss_finite:
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     else:
-        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))) if params else 0.0
-    optimizer.step()
-    scheduler.step()
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+    if loss_finite and math.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm

@@ -4,6 +4,8 @@ Data flow and what each wait is unblocked by::
 
     actors ──ZMQ PUSH──► PackReceiver (PULL, bind) ──recv(poll_s)──► receiver thread
                                                                       │ frames_to_pack; malformed -> counted, dropped
+                                                                      │ admission (values vs model and config, ver ≤ ver_current + 1)
+                                                                      │   -> rejected_<reason> counted, dropped, logged with the sender
                                                                       │ duplicate B sample (already trained) -> counted, dropped
                                                                       │ stale (ver < ver_current - version_window) -> counted, dropped
                                                                       │ full: drop the OLDEST (counted), then append
@@ -21,10 +23,18 @@ With ver_current 8 and version_window 1, a pack of ver 6 is stale (6 < 7) at its
 
 Conservation, at every moment (``check_conservation``)::
 
-    received == trained + stale_dropped + oldest_dropped + duplicate_dropped + reserved + in_queue
+    received == trained + stale_dropped + oldest_dropped + duplicate_dropped + Σ rejected_<reason>
+                + reserved + in_queue
 
 ``malformed`` frames never became packs and are counted apart. The receiver never raises on bad
-input; it logs the first few problems and counts every one.
+input; it counts every problem and logs it with the sender (actor id, seq, peer address), at most one
+line per kind of problem every ``LOG_EVERY_S`` seconds (with the count of those not logged).
+
+Admission (``common.segment.pack_rejection`` with the learner's :class:`PackLimits`, set from the model
+before :meth:`ReadyQueue.start`): ids and labels in the vocabulary, at most ``packing_length`` tokens,
+finite non-negative weights, finite pixels, position ids and images the model takes, finite meta counts;
+and here, ``ver ≤ ver_current + 1`` (an actor may be one sync ahead of the learner's adoption, never more:
+a pack claiming a later ver would never go stale). Without limits only the ver bound is checked.
 
 What this module does not know: models, the A/B schedule, or ranks other than its own.
 """
@@ -32,6 +42,7 @@ What this module does not know: models, the A/B schedule, or ranks other than it
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -39,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.segment import Pack
+from common.segment import REJECT_REASONS, Pack, PackLimits, pack_rejection
 from common.transport import ActorTally
 from common.wire import PackMessage, ProtocolError, encode_credits, frames_to_pack
 
@@ -72,7 +83,10 @@ class ReadyPack:
 
 COUNTER_NAMES = (
     "received", "trained", "stale_dropped", "oldest_dropped", "duplicate_dropped", "reserved", "in_queue", "malformed",
+    *(f"rejected_{reason}" for reason in REJECT_REASONS),
 )
+REJECTED = tuple(f"rejected_{reason}" for reason in REJECT_REASONS)
+LOG_EVERY_S = 30.0  # one log line per kind of receiver problem at most this often
 
 
 class ReadyQueue:
@@ -97,6 +111,7 @@ class ReadyQueue:
         poll_s: float = 0.05,
         ver_current: int = 0,
         trained_ids: set[str] | None = None,
+        limits: PackLimits | None = None,
     ) -> None:
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be >= 1, got {queue_limit}")
@@ -112,7 +127,9 @@ class ReadyQueue:
         self._stop = threading.Event()
         self._credits_due = threading.Event()
         self._thread: threading.Thread | None = None
-        self._problems_logged = 0
+        self.limits = limits  # set before start(); None = the ver bound only
+        self._log_at: dict[str, float] = {}  # problem kind -> when it was last logged
+        self._unlogged: dict[str, int] = {}  # problem kind -> occurrences since
 
     # -- receiver thread ------------------------------------------------------------------------
 
@@ -128,6 +145,19 @@ class ReadyQueue:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("ready-queue receiver thread of rank %d did not stop within %.1fs", self.rank, timeout_s)
+                return
+        if self._publish is not None and sys.exc_info()[0] is None:
+            # Training finished (no exception is on its way out of the learner): the last credits say done, so
+            # this rank's actors exit now instead of waiting out their silence deadline (common.wire Credits.done).
+            # The receiver thread is gone, so this thread may use the PUB socket; three sends 50 ms apart get
+            # one out before the socket closes with linger 0.
+            with self._lock:
+                frame = encode_credits(rank=self.rank, ver_current=self._ver, depth=len(self._deque), target=self.target,
+                                       version_window=self.version_window, received_total=self.counters["received"],
+                                       actors=self.tally.as_map(), done=True)
+            for _ in range(3):
+                self._publish(frame)
+                time.sleep(0.05)
 
     def _run(self) -> None:
         last_credit = 0.0
@@ -160,15 +190,24 @@ class ReadyQueue:
         except ProtocolError as exc:
             with self._lock:
                 self.counters["malformed"] += 1
-            self._note_problem(f"malformed pack message dropped: {exc}")
+            self._note_problem(f"malformed pack message dropped: {exc}{_peer(frames)}", kind="malformed")
             return False
-        return self.push(ReadyPack(message, pack, time.monotonic()))
+        return self.push(ReadyPack(message, pack, time.monotonic()), peer=_peer(frames))
 
-    def push(self, item: ReadyPack) -> bool:
-        """Admit a decoded pack; False if it was dropped on arrival (duplicate or stale)."""
+    def push(self, item: ReadyPack, peer: str = "") -> bool:
+        """Admit a decoded pack; False if it was dropped on arrival (rejected, duplicate or stale)."""
+        m = item.message
+        rejection = self._rejection(item)  # numpy over the arrays: outside the lock
+        if rejection is not None:
+            self._note_problem(f"pack rejected ({rejection[0]}): {rejection[1]}; from {m.actor!r} seq {m.seq} "
+                               f"ver {m.ver}{peer}", kind=rejection[0])
         with self._lock:
             self.counters["received"] += 1
-            self.tally.received(item.message.actor, item.message.seq)
+            self.tally.received(m.actor, m.seq)
+            if rejection is not None:
+                self.counters[f"rejected_{rejection[0]}"] += 1
+                self.tally.left_queue(m.actor)
+                return False
             if self.trained_ids.intersection(item.sample_ids):
                 self.counters["duplicate_dropped"] += 1
                 self.tally.left_queue(item.message.actor)
@@ -197,12 +236,25 @@ class ReadyQueue:
             )
         self._publish(frame)
 
-    def _note_problem(self, text: str) -> None:
-        self._problems_logged += 1
-        if self._problems_logged <= 5:
-            log.warning("rank %d ready queue: %s", self.rank, text)
-        elif self._problems_logged == 6:
-            log.warning("rank %d ready queue: further problems are only counted", self.rank)
+    def _rejection(self, item: ReadyPack) -> tuple[str, str] | None:
+        """Why a decoded pack is not trained (``common.segment.REJECT_REASONS``), or None."""
+        if item.ver > self._ver + 1:
+            return "future_ver", f"ver {item.ver} > ver_current {self._ver} + 1"
+        if self.limits is None:
+            return None
+        return pack_rejection(item.arrays, item.message.meta.get("segments", []), self.limits)
+
+    def _note_problem(self, text: str, kind: str = "receive") -> None:
+        """Log ``text`` unless a problem of this ``kind`` was logged in the last LOG_EVERY_S seconds (then count it)."""
+        now = time.monotonic()
+        last = self._log_at.get(kind)
+        if last is not None and now - last < LOG_EVERY_S:
+            self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
+            return
+        self._log_at[kind] = now
+        held = self._unlogged.pop(kind, 0)
+        more = f" (+{held} more of this kind in the last {now - last:.0f}s, counted)" if held and last else ""
+        log.warning("rank %d ready queue: %s%s", self.rank, text, more)
 
     # -- learner main thread --------------------------------------------------------------------
 
@@ -253,7 +305,8 @@ class ReadyQueue:
     def check_conservation(self) -> dict[str, int]:
         """Raise ``AssertionError`` naming the numbers if the identity of the module docstring fails."""
         c = self.snapshot()
-        rhs = sum(c[k] for k in ("trained", "stale_dropped", "oldest_dropped", "duplicate_dropped", "reserved", "in_queue"))
+        rhs = sum(c[k] for k in ("trained", "stale_dropped", "oldest_dropped", "duplicate_dropped", "reserved", "in_queue",
+                                 *REJECTED))
         if c["received"] != rhs:
             raise AssertionError(f"rank {self.rank} queue conservation broken: received {c['received']} != {rhs} ({c})")
         return c
@@ -274,3 +327,11 @@ class ReadyQueue:
                 else:
                     kept.append(p)
             self._deque = kept
+
+
+def _peer(frames: Any) -> str:
+    """`` (peer 127.0.0.1)``: the TCP peer of a received message where ZMQ knows it (else "")."""
+    try:
+        return f" (peer {frames[0].get('Peer-Address')})"
+    except Exception:  # noqa: BLE001 - bytes frames (tests), or a transport without peer addresses
+        return ""

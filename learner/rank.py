@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.config import ConfigError
@@ -37,8 +39,9 @@ from learner.data import ChannelAData
 from learner.distributed import Dist
 from learner.evaluation import PeriodicEval
 from learner.loss import LossWeights, Normaliser, pack_loss
-from learner.metrics import MetricsWriter, RankStats, gather_stats_record
-from learner.model import PackInputs, build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, resolve_dtype
+from learner.metrics import ROLLOUT_COUNTS, MetricsWriter, RankStats, gather_stats_record
+from learner.model import (PackInputs, build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, pack_limits,
+                           resolve_dtype)
 from learner.prefetch import AWindow, ChannelAPrefetcher
 from learner.pack_queue import ReadyQueue
 from learner.sync.boundary import WeightSync
@@ -57,6 +60,7 @@ class Learner:
         self.b_ratio = exact_ratio(cfg.stage2_ab.schedule.b_ratio)
         self.packing_length = cfg.derived.packing_length
         self.out = Path(cfg.training.output_dir)
+        self.run_id: str | None = None  # the output_dir's run (run_info.json), read in setup()
         self.step = 0
         self.ver = 0
         self.train_seconds = 0.0  # sum of time/step in this process (training.max_train_seconds)
@@ -65,7 +69,8 @@ class Learner:
         self.realized = RealizedRatio(REALIZED_WINDOW)
         self.recent_kinds: deque[bool] = deque(maxlen=REALIZED_WINDOW)  # checkpointed to restore ``realized``
         self.b_trained: set[str] = set()  # the B-sample ledger (shared with the ready queue in async mode)
-        self.totals = {"steps_a": 0, "steps_b": 0, "b_skipped_due_to_queue": 0, "optimizer_updates": 0, "forwards": 0}
+        self.totals = {"steps_a": 0, "steps_b": 0, "b_skipped_due_to_queue": 0, "optimizer_updates": 0, "forwards": 0,
+                       "nonfinite_skipped": 0}
         self.queue: ReadyQueue | None = None
         self.a_windows: ChannelAPrefetcher | None = None
         self._sockets: list[Any] = []
@@ -83,10 +88,12 @@ class Learner:
 
     def open_queue(self) -> None:
         """Bind this rank's pack PULL and credit PUB first, so actors can connect while the model loads."""
-        from common.transport import CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
+        from common.transport import CreditPublisher, PackReceiver, credit_endpoint, max_frame_bytes, pack_endpoint
 
         t, a = self.cfg.transport, self.cfg.stage2_ab.channel_b.async_
-        receiver = PackReceiver(pack_endpoint(t, self.dist.rank), hwm=t.hwm, linger_ms=t.linger_ms)
+        self.max_frame = max_frame_bytes(t, self.packing_length)  # checked against the model in setup()
+        receiver = PackReceiver(pack_endpoint(t, self.dist.rank), hwm=t.hwm, linger_ms=t.linger_ms,
+                                max_frame_bytes=self.max_frame)
         publisher = CreditPublisher(credit_endpoint(t, self.dist.rank))
         self._sockets = [receiver, publisher]
         self.queue = ReadyQueue(
@@ -106,9 +113,10 @@ class Learner:
                 f"pushes: every blocking sync, and in overlap mode the start-up sync and a checkpoint's wait for "
                 f"the push in flight). Fix: raise learner.collective_timeout_s above {sync_t}"
             ])
-        from common.checkpoints import resolve_resume_checkpoint
+        from common.checkpoints import resolve_resume_checkpoint, run_id_of
 
         torch.manual_seed(cfg.training.seed)
+        self.run_id = run_id_of(self.out)  # rank 0 wrote it before any rank got here (learner/main.py)
         self.resume_from = resolve_resume_checkpoint(cfg.training.resume, self.out)
         model_cfg = cfg.model if self.resume_from is None else replace(cfg.model, path=str(self.resume_from / "model"))
         model, tokenizer, coord_ids = load_policy(model_cfg, dist.device, cfg.training.gradient_checkpointing)
@@ -136,6 +144,8 @@ class Learner:
         from common.tensors.encode import encoder_from_config
 
         self.encoder = encoder_from_config(cfg)  # the training thread's (one-process modes' B pipeline, bench)
+        if self.queue is not None:
+            self._admit_packs(model)
         # Channel-A gets its own Encoder: its prefetch thread runs it, and an Encoder is not thread-safe.
         self.data_a = ChannelAData(cfg, encoder_from_config(cfg), rank=dist.rank, world_size=dist.world_size, ga=self.ga)
         self._resume()
@@ -152,10 +162,24 @@ class Learner:
             self._trace = (self.out / f"trace_rank{dist.rank}.jsonl").open("a", encoding="utf-8")
         self.writer = MetricsWriter(
             self.out, enabled=dist.is_main, tensorboard=cfg.training.tensorboard,
-            progress=cfg.training.progress, start_step=self.step, max_steps=cfg.training.max_steps,
+            progress=cfg.training.progress, start_step=self.step, max_steps=cfg.training.max_steps, run_id=self.run_id,
         )
         self.evals = PeriodicEval(cfg, is_main=dist.is_main, write=self.writer.write_eval)
         self._eval_due = True  # the first push (start-up sync) is evaluated: the quality training starts from
+
+    def _admit_packs(self, model: torch.nn.Module) -> None:
+        """The ready queue's admission limits, from the model (before the receiver thread starts)."""
+        one = np.zeros(1, np.int64)
+        rows = int(self.encoder.position_ids(one, one, np.zeros((0, 3), np.int64)).shape[0])
+        limits = pack_limits(model, self.packing_length, rows, ROLLOUT_COUNTS)
+        if limits.largest_frame_bytes() > self.max_frame:
+            raise ConfigError([
+                f"transport.max_frame_mb = {self.cfg.transport.max_frame_mb}: a legal pack of this model can send a "
+                f"{limits.largest_frame_bytes() / 2**20:.0f} MiB frame (pixel_values of {self.packing_length} tokens), "
+                f"above the {self.max_frame / 2**20:.0f} MiB cap: ZMQ would drop it. Fix: set transport.max_frame_mb: "
+                f"{math.ceil(2 * limits.largest_frame_bytes() / 2**20)}"
+            ])
+        self.queue.limits = limits  # type: ignore[union-attr]
 
     def _resume(self) -> None:
         ckpt = self.resume_from
@@ -270,9 +294,18 @@ class Learner:
     def finish_step(self, stats: RankStats, facts: dict[str, Any], kind_b: bool, t_step: float) -> None:
         """Optimizer update, counters, the gathered metrics record, and a checkpoint when due."""
         self.sync.before_weights_change()  # GPU overlap: the update waits for the snapshot copy (device-side)
-        facts["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.training.max_grad_norm)
+        loss_ok = self._loss_finite(stats)
+        norm = clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.training.max_grad_norm,
+                             loss_finite=loss_ok)
+        skipped = not (loss_ok and math.isfinite(norm))  # the same on every rank (see _loss_finite, clip_and_step)
+        facts["train/grad_norm"] = norm if math.isfinite(norm) else None
+        facts["train/nonfinite_skipped"] = int(skipped)
         facts["train/lr"] = self.scheduler.get_last_lr()[0]
-        self.totals["optimizer_updates"] += 1
+        self.totals["nonfinite_skipped" if skipped else "optimizer_updates"] += 1
+        if skipped:
+            log.error("rank %d step %d: non-finite %s: optimizer step skipped (gradients dropped, weights unchanged; "
+                      "learner/nonfinite_skipped_total counts them)", self.dist.rank, self.step,
+                      "loss" if not loss_ok else f"gradient norm ({norm})")
         self.totals["steps_b" if kind_b else "steps_a"] += 1
         self.realized.record(kind_b)
         self.recent_kinds.append(kind_b)
@@ -309,6 +342,13 @@ class Learner:
         every = self.cfg.training.save_every_steps
         if (every and self.step % every == 0) or last:
             self.save()
+
+    def _loss_finite(self, stats: RankStats) -> bool:
+        """Whether every rank's loss of this step is finite (one all_reduce under DDP, so all ranks agree)."""
+        ok = math.isfinite(stats["loss_total"])
+        if self.dist.world_size > 1:
+            ok = self.dist.all_reduce([float(not ok)], "max", f"non-finite loss check at step {self.step}")[0] == 0
+        return ok
 
     @property
     def finished(self) -> bool:
@@ -360,7 +400,8 @@ class Learner:
             self.out, self.step, self.dist, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             model_path=self.cfg.model.path,
             trainer_state={
-                "global_step": self.step, "ver": self.ver, "totals": self.totals, "sync_counts": self.sync.counts,
+                "run_id": self.run_id, "global_step": self.step, "ver": self.ver, "totals": self.totals,
+                "sync_counts": self.sync.counts,
                 "recent_kinds_b": list(self.recent_kinds), "realized_total_steps": self.realized.total_steps,
                 "realized_total_b": self.realized.total_b,
             },

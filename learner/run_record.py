@@ -8,11 +8,13 @@
                                             (``tandem_build.json``, ``manifest.json``), package versions, git
                                             commit, start time (UTC)
 
-Resumes never rewrite the first start's files: ``run_config.yaml`` is written once, and every resume
-appends one entry to ``run_info.json``'s ``resumes`` list (its own versions, world size, git commit, the
-step it resumed from, and ``config_changes``: the keys whose value differs from ``run_config.yaml``).
-A fresh start into a directory that already holds a record (``make demo`` twice) renames the earlier
-record to ``*.replaced-<its start time>.*`` rather than overwrite it.
+A fresh start makes the run id (``run_id``, uuid4 hex; ``common/checkpoints.py``); resumes keep it and
+never rewrite the first start's files: ``run_config.yaml`` is written once, and every resume appends
+one entry to ``run_info.json``'s ``resumes`` list (its own versions, world size, git commit, the step
+it resumed from, and ``config_changes``: the keys whose value differs from ``run_config.yaml``).
+A fresh start never meets another run's record (``common/run_dir.py`` refuses the directory or moves
+that run aside first); if it did, it would rename the earlier record to ``*.replaced-<its start
+time>.*`` rather than overwrite it.
 
 ``rollout_server.auth_token`` is never written (set to null, listed under ``redacted``): a run directory
 gets copied around; a bearer token should not travel with it.
@@ -28,6 +30,7 @@ import logging
 import os
 import platform
 import subprocess
+import uuid
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -57,9 +60,28 @@ SEEDING_RULES = {
 }
 
 
+def start_run(cfg: Any, world_size: int) -> str | None:
+    """Rank 0, before anything else is written: why this start is refused (``common/run_dir.py``: exit 2), or
+    None once the record of this start (fresh or resumed) is kept; ``training.overwrite`` moves an old run aside."""
+    from common.checkpoints import checkpoint_run_id, resolve_resume_checkpoint
+    from common.run_dir import StartRefused, prepare_start
+
+    try:
+        prepare_start(cfg)
+    except StartRefused as exc:
+        return str(exc)
+    ckpt = resolve_resume_checkpoint(cfg.training.resume, cfg.training.output_dir)
+    write_run_record(cfg, cfg.training.output_dir, world_size=world_size, resumed_from_step=_step_of(ckpt),
+                     run_id=checkpoint_run_id(ckpt) if ckpt is not None else None)
+    return None
+
+
 def write_run_record(cfg: Any, output_dir: str | Path, *, world_size: int,
-                     resumed_from_step: int | None) -> dict[str, Any]:
-    """Write (fresh start) or extend (resume) the run record; returns this start's ``run_info`` entry."""
+                     resumed_from_step: int | None, run_id: str | None = None) -> dict[str, Any]:
+    """Write (fresh start) or extend (resume) the run record; returns this start's ``run_info`` entry.
+
+    ``run_id``: on a resume into a directory without a run record, the resumed checkpoint's run id.
+    """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config_path, info_path = out / CONFIG_FILE, out / INFO_FILE
@@ -67,6 +89,7 @@ def write_run_record(cfg: Any, output_dir: str | Path, *, world_size: int,
     resolved = config_dict(cfg)
     if resumed_from_step is None:
         _set_aside_earlier_record(config_path, info_path)
+        entry = {"run_id": uuid.uuid4().hex, **entry}
         _write_atomic(config_path, config_yaml(cfg))
         _write_atomic(info_path, json.dumps({**entry, "resumes": []}, indent=1, default=str) + "\n")
         return entry
@@ -82,22 +105,15 @@ def write_run_record(cfg: Any, output_dir: str | Path, *, world_size: int,
     except (OSError, ValueError):
         info = None
     if not isinstance(info, dict):
-        info = {**entry, "resumes": []}
+        info = {"run_id": run_id, **entry, "resumes": []}
     else:
         info.setdefault("resumes", []).append(entry)
     _write_atomic(info_path, json.dumps(info, indent=1, default=str) + "\n")
     return entry
 
 
-def resume_step(resume: str | None, output_dir: str | Path) -> int | None:
-    """Optimizer steps done in the checkpoint ``training.resume`` names (None = fresh start).
-
-    Uses the learner's own checkpoint discovery, so ``auto`` with no checkpoint is a fresh start here too;
-    a path that is not a checkpoint raises FileNotFoundError, as the learner's start would.
-    """
-    from common.checkpoints import resolve_resume_checkpoint
-
-    ckpt = resolve_resume_checkpoint(resume, output_dir)
+def _step_of(ckpt: Path | None) -> int | None:
+    """Optimizer steps done in a checkpoint (None: no checkpoint, a fresh start)."""
     if ckpt is None:
         return None
     try:

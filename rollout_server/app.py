@@ -11,8 +11,11 @@
     /v1/models, /v1/completions, /v1/chat/completions   OpenAI subset (rollout_server.openai_routes)
 
 Every error is an ``ErrorResponse``: validation problems are 4xx naming the dotted field; only an
-engine failure on a valid request is a 500. ``/sync/*`` need ``Authorization: Bearer <token>``
-when ``rollout_server.auth_token`` is set (checked before the body is looked at).
+engine failure on a valid request is a 500. The trust boundary runs before any route
+(``rollout_server/guard.py``): ``/sync/*`` need ``Authorization: Bearer <token>`` when
+``rollout_server.auth_token`` is set (checked before a byte of the body is read), every body is read
+under a size cap and a read deadline, a request's images under a pixel budget, and a client that
+disconnects cancels its generation.
 
 The engine starts in a background task of the lifespan, so the socket answers ``/health`` with
 ``loading`` while weights load; a failed start sets ``error`` and calls ``on_fatal`` (the entry
@@ -25,13 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -39,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.protocol import (
     BUCKET_HEADER,
+    MAX_VER_JUMP,
     SCHEMA_VERSION,
     ErrorResponse,
     HealthResponse,
@@ -57,15 +60,16 @@ from common.protocol import (
     SyncInitResponse,
 )
 from rollout_server.engines.base import Engine, EngineInputError
-from rollout_server.errors import ApiError
+from rollout_server.errors import ApiError, error_content
 from rollout_server.fence import AdmissionTimeout, Fence
+from rollout_server.guard import CLIENT_CLOSED, Limits, RequestGuard, check_pixels, read_body, unless_disconnected
 from rollout_server.metrics import RequestCounter, ServerMetrics
 from rollout_server.sync import SyncController
 
 log = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 409, 413, 422, 500, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 408, 409, 413, 422, 500, 503, 504)
 }
 
 
@@ -89,6 +93,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
     ``engine_started=True`` skips ``engine.start()`` (in-process tests that already started it).
     """
     srv = _server_cfg(cfg)
+    limits = Limits.of(srv)
     metrics = ServerMetrics()
     fence = Fence(on_wait=metrics.admission_wait.observe)
     metrics.bind(fence)
@@ -127,13 +132,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
     # ------------------------------------------------------------------ errors
 
     def error_json(request: Request, body: ErrorResponse, status: int, headers: dict[str, str] | None = None):
-        if request.url.path.startswith("/v1/"):  # OpenAI clients read {"error": {"message", ...}}
-            content: dict[str, Any] = {"error": {"message": body.message, "type": "invalid_request_error"
-                                                 if status < 500 else "server_error", "param": body.field,
-                                                 "code": body.error}}
-        else:
-            content = body.model_dump()
-        return JSONResponse(content, status_code=status, headers=headers)
+        return JSONResponse(error_content(request.url.path, body, status), status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -186,23 +185,39 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
         return JSONResponse(body.model_dump(by_alias=True), status_code=200 if status == "ok" else 503)
 
     @app.post("/infer", response_model=InferResponse, responses=_ERRORS)
-    async def infer(req: InferRequest) -> InferResponse:
-        require_ready()
-        if len(req.items) > srv.max_batch_items:
-            raise ApiError(413, "bad_request", f"{len(req.items)} items exceed rollout_server.max_batch_items "
-                           f"= {srv.max_batch_items}", field="items", hint="send smaller batches")
-        ticket, outputs = await run_admitted(lambda: engine.generate(req.items, req.sampling), req.min_ver)
+    async def infer(req: InferRequest, request: Request) -> InferResponse:
+        ticket, outputs = await generate(request, req.items, req.sampling, req.min_ver)
         return InferResponse(ver=ticket.ver, outputs=outputs, engine=engine.name,
                              elapsed_s=time.monotonic() - ticket.admitted_at)
 
-    async def run_admitted(work: Callable[[], Any], min_ver: int | None = None) -> tuple[Any, Any]:
-        """Run engine work under an admission ticket; map engine errors to HTTP ones; count tokens."""
+    async def generate(request: Request, items: list[Any], sampling: Any, min_ver: int | None = None,
+                       field: str = "items") -> tuple[Any, Any]:
+        """/infer and /v1/*: the request's budgets, then the engine under an admission ticket, cancelled
+        if the client disconnects; engine errors mapped to HTTP ones; tokens counted."""
+        require_ready()
+        if len(items) > limits.max_batch_items:
+            raise ApiError(413, "bad_request", f"{len(items)} items exceed rollout_server.max_batch_items "
+                           f"= {limits.max_batch_items}", field=field, hint="send smaller batches")
+        if min_ver is not None and min_ver > fence.ver + MAX_VER_JUMP:  # no commit can bring ver there
+            raise ApiError(422, "bad_request", f"min_ver {min_ver} is more than {MAX_VER_JUMP} above the server's "
+                           f"ver {fence.ver}: one commit moves ver by at most that", field="min_ver",
+                           hint="ask for a ver the learner has pushed (its ver_current)")
+        if any(it.images or it.messages for it in items):  # headers only; before a ticket is taken
+            await asyncio.to_thread(check_pixels, items, limits)
+        work = fence.run(lambda: engine.generate(items, sampling), min_ver=min_ver, timeout_s=srv.admission_timeout_s)
         try:
-            ticket, outputs = await fence.run(work, min_ver=min_ver, timeout_s=srv.admission_timeout_s)
+            ticket, outputs = await unless_disconnected(request.receive, work)
         except EngineInputError as exc:
-            raise ApiError(400, "bad_request", str(exc), field=exc.field) from None
+            raise ApiError(exc.status, "bad_request", str(exc), field=exc.field,
+                           hint="send smaller batches" if exc.status == 413 else None) from None
         except AdmissionTimeout as exc:
-            raise ApiError(503, "not_ready", f"/infer {exc}", headers={"Retry-After": "1"}) from None
+            raise ApiError(503, "not_ready", f"{request.url.path} {exc}", headers={"Retry-After": "1"}) from None
+        except ApiError as exc:
+            if exc.status == CLIENT_CLOSED:
+                metrics.cancelled.labels(reason="client_disconnect").inc()
+                log.info("%s: client %s disconnected; its batch of %d item(s) was cancelled", request.url.path,
+                         request.client, len(items))
+            raise
         metrics.observe_batch(len(outputs), sum(len(o.prompt_token_ids) for o in outputs),
                               sum(len(o.token_ids) for o in outputs), time.monotonic() - ticket.admitted_at)
         return ticket, outputs
@@ -214,17 +229,9 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
 
     # ------------------------------------------------------------------ weight sync (admin)
 
-    async def require_token(request: Request) -> None:
-        if not srv.auth_token:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), srv.auth_token.encode()):
-            raise ApiError(401, "unauthorized", "/sync/* need 'Authorization: Bearer <rollout_server.auth_token>'"
-                           + (" (the token given is wrong)" if token else " (none given)"),
-                           field="Authorization", headers={"WWW-Authenticate": "Bearer"})
-
-    admin = APIRouter(prefix="/sync", dependencies=[Depends(require_token)], responses=_ERRORS)
+    # The bearer token is checked by RequestGuard, before any body is read (FastAPI parses a body
+    # before it runs a route's dependencies).
+    admin = APIRouter(prefix="/sync", responses=_ERRORS)
 
     @admin.post("/init", response_model=SyncInitResponse)
     async def sync_init(req: SyncInitRequest) -> SyncInitResponse:
@@ -248,13 +255,22 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
             err = ErrorResponse.from_validation_error(exc)
             raise ApiError(422, "bad_request", f"{BUCKET_HEADER}: {err.message}",
                            field=f"{BUCKET_HEADER}.{err.field}" if err.field else BUCKET_HEADER) from None
-        limit = srv.max_bucket_mb * 2**20
+        session = sync.check_bucket(header.session)  # 409 before a byte of the body is read
+        limit, key = limits.max_bucket_mb << 20, f"rollout_server.max_bucket_mb = {limits.max_bucket_mb}"
+        hint = "lower rollout_matching.vllm.sync.bucket_mb"
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise ApiError(413, "bad_request", f"bucket of {int(length)} bytes exceeds rollout_server.max_bucket_mb "
-                           f"= {srv.max_bucket_mb}", field="body", hint="lower rollout_matching.vllm.sync.bucket_mb")
+            raise ApiError(413, "bad_request", f"bucket of {int(length)} bytes exceeds {key}", field="body", hint=hint,
+                           headers={"Connection": "close"})
+        # A stalled upload counts as idle: no chunk for sync_idle_timeout_s (or body_read_timeout_s, if
+        # shorter), or the session's own deadline, ends the read and the session; the fence reopens.
+        gap_s = min(limits.body_read_timeout_s, sync.idle_timeout_s)
         with sync.receiving(header.session):
-            blob = await request.body()
+            try:
+                blob = await read_body(request.receive, limit=limit, limit_key=key, gap_s=gap_s,
+                                       deadline=session.deadline, hint=hint)
+            except ApiError as exc:
+                raise await sync.upload_failed(header.session, exc) from None
         return await sync.bucket(header, blob)
 
     @admin.post("/update", response_model=SyncBucketResponse)
@@ -302,7 +318,8 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
 
     from rollout_server.openai_routes import openai_router
 
-    app.include_router(openai_router(engine, run_admitted, require_ready))
+    app.include_router(openai_router(engine, generate, require_ready))
+    app.add_middleware(RequestGuard, limits=limits)  # inside the counter: its 401/408/413s are counted
     app.add_middleware(RequestCounter, metrics=metrics)
     return app
 

@@ -14,7 +14,8 @@ the role of the ``<area>/`` of run metrics)::
     rollout_admission_wait_seconds            time spent waiting at the fence (histogram)
     rollout_fence_reruns                      batches cut by an abort-mode fence and re-run
     rollout_sync_seconds{phase}               fence | wire | commit | total, per committed sync
-    rollout_syncs_total{outcome}              committed | aborted | failed | timeout
+    rollout_syncs_total{outcome}              committed | aborted | failed | timeout | stalled (upload stopped)
+    rollout_cancelled_total{reason}           batches cancelled before they finished: client_disconnect
     rollout_sync_bytes_total                  weight bytes staged
     rollout_ver                               weight version served now
 """
@@ -59,12 +60,15 @@ class ServerMetrics:
         self.sync_seconds = Histogram("rollout_sync_seconds", "Weight sync duration by phase", ["phase"], registry=r,
                                       buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
         self.syncs = Counter("rollout_syncs", "Sync sessions by outcome", ["outcome"], registry=r)
+        self.cancelled = Counter("rollout_cancelled", "Batches cancelled before they finished (waiting or generating)",
+                                 ["reason"], registry=r)
         self.sync_bytes = Counter("rollout_sync_bytes", "Weight bytes staged", registry=r)
         self.ver = Gauge("rollout_ver", "Weight version served", registry=r)
         for phase in ("fence", "wire", "commit", "total"):
             self.sync_seconds.labels(phase=phase)
-        for outcome in ("committed", "aborted", "failed", "timeout"):
+        for outcome in ("committed", "aborted", "failed", "timeout", "stalled"):
             self.syncs.labels(outcome=outcome)
+        self.cancelled.labels(reason="client_disconnect")
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._window_lock = threading.Lock()
         self._t0 = time.monotonic()

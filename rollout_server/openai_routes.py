@@ -23,10 +23,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.protocol import MAX_TOKENS_LIMIT, ChatMessage, ChatPart, InferItem, SamplingParams
+from common.protocol import (MAX_INT32, MAX_SEED, MAX_TOKENS_LIMIT, REPETITION_PENALTY_RANGE, ChatMessage, ChatPart,
+                             InferItem, SamplingParams)
 from rollout_server.engines.base import Engine
 from rollout_server.errors import ApiError
 
@@ -42,9 +43,9 @@ class _OpenAIRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -87,7 +88,8 @@ def _usage(outputs: list[Any]) -> dict[str, int]:
 
 
 def _chat_message(i: int, m: dict[str, Any]) -> ChatMessage:
-    role = {"developer": "system"}.get(m.get("role"), m.get("role"))
+    role = m.get("role")
+    role = {"developer": "system"}.get(role, role) if isinstance(role, str) else role
     if role not in ("system", "user", "assistant"):
         raise ApiError(400, "bad_request", f"role {m.get('role')!r} is not supported (system, user, assistant)",
                        field=f"messages.{i}.role")
@@ -115,8 +117,9 @@ def _chat_message(i: int, m: dict[str, Any]) -> ChatMessage:
     return ChatMessage(role=role, content=parts)
 
 
-def openai_router(engine: Engine, run_admitted: Callable[..., Any], require_ready: Callable[[], None]) -> APIRouter:
-    """The /v1 routes over ``engine``, admitted through the same fence as /infer."""
+def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: Callable[[], None]) -> APIRouter:
+    """The /v1 routes over ``engine``; ``generate(request, items, sampling, min_ver, field)`` is /infer's path
+    (readiness, budgets, the fence, cancellation when the client disconnects)."""
     router = APIRouter(prefix="/v1")
 
     def model_id() -> str:
@@ -127,29 +130,31 @@ def openai_router(engine: Engine, run_admitted: Callable[..., Any], require_read
         return {"object": "list", "data": [{"id": model_id(), "object": "model", "created": 0, "owned_by": "tandem",
                                             "root": model_id()}]}
 
-    async def complete(items: list[InferItem], sampling: SamplingParams) -> tuple[int, list[Any]]:
-        require_ready()
-        ticket, outputs = await run_admitted(lambda: engine.generate(items, sampling))
+    async def complete(request: Request, items: list[InferItem], sampling: SamplingParams,
+                       field: str) -> tuple[int, list[Any]]:
+        ticket, outputs = await generate(request, items, sampling, None, field)
         return ticket.ver, outputs
 
     def wrap(make: Callable[[], Any]) -> Any:
         try:
             return make()
         except ValidationError as exc:  # our protocol models rejected the translated request
+            problems = [(".".join(map(str, e["loc"])), e["msg"]) for e in exc.errors()]
             raise ApiError(422, "bad_request", str(exc).splitlines()[0] + ": " + "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+                f"{loc}: {msg}" for loc, msg in problems), field=problems[0][0] if problems else None) from None
 
     @router.post("/completions")
-    async def completions(req: CompletionRequest) -> dict[str, Any]:
+    async def completions(req: CompletionRequest, request: Request) -> dict[str, Any]:
         sampling = wrap(lambda: req.sampling(COMPLETION_DEFAULT_MAX_TOKENS))
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
             raise ApiError(400, "bad_request", "prompt is empty", field="prompt")
+        require_ready()  # text prompts are tokenized here, by the engine's tokenizer
         items = wrap(lambda: [InferItem(prompt_token_ids=p if isinstance(p, list) else engine.encode_text(p))
                               for p in prompts])
-        ver, outputs = await complete(items, sampling)
+        ver, outputs = await complete(request, items, sampling, "prompt")
         return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
                 "model": model_id(), "system_fingerprint": f"ver-{ver}",
                 "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
@@ -157,11 +162,11 @@ def openai_router(engine: Engine, run_admitted: Callable[..., Any], require_read
                 "usage": _usage(outputs)}
 
     @router.post("/chat/completions")
-    async def chat(req: ChatRequest) -> dict[str, Any]:
+    async def chat(req: ChatRequest, request: Request) -> dict[str, Any]:
         sampling = wrap(lambda: req.sampling(CHAT_DEFAULT_MAX_TOKENS))
         messages = wrap(lambda: [_chat_message(i, m) for i, m in enumerate(req.messages)])
         item = wrap(lambda: InferItem(messages=messages))
-        ver, outputs = await complete([item], sampling)
+        ver, outputs = await complete(request, [item], sampling, "messages")
         o = outputs[0]
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_id(), "system_fingerprint": f"ver-{ver}",

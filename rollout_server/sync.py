@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import (
+    MAX_VER_JUMP,
     SyncAbortRequest,
     SyncAbortResponse,
     SyncBeginRequest,
@@ -111,9 +112,34 @@ class SyncController:
                 s.busy -= 1
                 s.last_activity = time.monotonic()
 
+    def check_bucket(self, session_id: str) -> Session:
+        """The open, fenced session a bucket names, checked before its body is read: 409 otherwise
+        (nothing read, nothing ended: a stray or late bucket must not cost the holder its session)."""
+        s = self.session
+        if s is None:
+            raise ApiError(409, "sync_state", f"no sync session is open (session {session_id!r} ended: committed, "
+                           "aborted, or timed out); start again with /sync/init", field="session")
+        if s.id != session_id:
+            raise ApiError(409, "sync_conflict", f"session {session_id!r} is not the open one: "
+                           + self._describe_holder(), field="session")
+        if self.state is not SyncState.FENCED:
+            raise ApiError(409, "sync_state", f"call not allowed in state {self.state.value} (allowed: fenced)")
+        return s
+
+    async def upload_failed(self, session_id: str, exc: ApiError) -> ApiError:
+        """A bucket body that stalled (408), overflowed (413) or was dropped: the session ends at once
+        (old weights kept, fence reopened) instead of holding admission until a timeout."""
+        async with self._lock:
+            if self.session is not None and self.session.id == session_id:
+                reason = {408: "upload stalled", 413: "bucket over the size cap"}.get(exc.status, "upload dropped")
+                return await self._fail(exc, reason, "stalled" if exc.status == 408 else "failed")
+        return exc
+
     @contextlib.contextmanager
     def receiving(self, session_id: str):
-        """Mark the session busy while a bucket body is still arriving (no idle timeout mid-upload)."""
+        """Mark the session busy while a bucket body is still arriving. The body is read under a gap
+        deadline of at most ``idle_timeout_s`` and the session's deadline (app.py), so a stalled
+        upload ends the session through :meth:`upload_failed` as an idle one would."""
         s = self.session
         if s is None or s.id != session_id:
             yield
@@ -146,8 +172,8 @@ class SyncController:
         log.warning("sync session %s from %s ended without commit (%s): old weights kept, ver %d",
                     s.id if s else "?", s.client if s else "?", reason, self.fence.ver)
 
-    async def _fail(self, exc: ApiError, reason: str) -> ApiError:
-        await self._end(reason, "failed")
+    async def _fail(self, exc: ApiError, reason: str, outcome: str = "failed") -> ApiError:
+        await self._end(reason, outcome)
         exc.body.message += f" -- sync session aborted, old weights kept (ver {self.fence.ver})"
         return exc
 
@@ -285,6 +311,11 @@ class SyncController:
             if req.n_buckets != s.next_index:
                 raise await self._fail(ApiError(409, "sync_state", f"commit says {req.n_buckets} bucket(s), the server "
                                                 f"staged {s.next_index}", field="n_buckets"), "bucket count mismatch")
+            if req.min_ver is not None and req.min_ver > self.fence.ver + MAX_VER_JUMP:
+                raise await self._fail(ApiError(422, "bad_request", f"min_ver {req.min_ver} is more than {MAX_VER_JUMP} "
+                                                f"above the server's ver {self.fence.ver}: ver never comes back down, "
+                                                "so a wrong min_ver would stick for good", field="min_ver",
+                                                hint="send the learner's own ver + 1"), "min_ver out of range")
             self.state = SyncState.COMMITTING
             t0 = time.monotonic()
             try:

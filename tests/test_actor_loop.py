@@ -176,3 +176,97 @@ def test_with_a_share_of_one_pack_the_actor_fills_its_pack_instead_of_waiting_fo
     sent = [sum(s["length"] for s in r.meta["segments"]) for r in learner.received]
     assert sum(n >= release for n in sent) >= 2, sent  # filled packs (the stop flushes the rest at any fill)
     assert len([k for r in learner.received for k in r.keys]) == 8 and c["actor/conservation_ok"] == 1
+
+
+# ------------------------------------------------------------------------ the learner's done, actor restarts
+
+
+def test_credits_say_done_only_in_a_ranks_last_message_and_messages_without_it_still_decode():
+    from common.wire import ProtocolError, decode_credits, encode_credits
+
+    fields = dict(rank=0, ver_current=3, depth=1, target=2, version_window=1, received_total=5)
+    plain = encode_credits(**fields, ts=1.0)
+    assert b"done" not in plain  # an ordinary message is byte-identical to what older actors decode
+    assert not decode_credits(plain).done
+    assert decode_credits(encode_credits(**fields, done=True)).done
+    import msgpack
+
+    with pytest.raises(ProtocolError, match="'done' must be true or false"):
+        decode_credits(msgpack.packb({**msgpack.unpackb(plain), "done": 1}))
+
+
+def test_the_actor_exits_0_within_seconds_when_its_learner_rank_closes_its_ready_queue(make, encoder):
+    from common.transport import CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
+    from learner.pack_queue import ReadyQueue
+
+    loop = make(ScriptedClient(encoder.tokenizer))  # no max_samples: it runs until something stops it
+    t = loop.cfg.transport
+    receiver, publisher = PackReceiver(pack_endpoint(t, 0), hwm=16), CreditPublisher(credit_endpoint(t, 0))
+    queue = ReadyQueue(rank=0, queue_limit=4, version_window=1, target=2, recv=receiver.recv,
+                       publish=publisher.publish, credit_interval_s=0.1)
+    queue.start()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(loop.run()), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while queue.snapshot()["received"] < 2:  # the actor is at work (and soon waits for credits)
+            assert time.monotonic() < deadline and thread.is_alive(), "the actor sent no packs in time"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        queue.stop()  # what the learner does last (learner/rank.py close): the final credits say done
+    finally:
+        receiver.close()
+        publisher.close()
+    thread.join(DEADLINE_S)
+    waited = time.monotonic() - t0
+    if thread.is_alive():
+        loop.request_stop()
+        thread.join(10)
+    assert result == [EXIT_OK] and waited < 3.0, (result, waited)
+    c = loop.counters()
+    assert c["actor/conservation_ok"] == 1 and c["actor/segments_sent"] >= 2
+
+
+def _stream_keys(loop: ActorLoop, n: int) -> list[str]:
+    from actor.stream import SampleStream
+
+    s = loop.stream
+    it = iter(SampleStream(s.path, rank=0, world_size=1, index=0, num_actors_per_rank=1, seed=s.seed))
+    return [next(it).key for _ in range(n)]
+
+
+def test_a_restarted_actor_skips_what_the_live_rank_holds_and_produces_again_what_died_with_its_predecessor(
+        make, encoder):
+    first = make(ScriptedClient(encoder.tokenizer), "training.pack_max_wait_s=60")
+    port = first.cfg.transport.base_port
+    with FakeLearnerRank(first.cfg.transport, target=2, consume_every_s=0.4) as learner:
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(first.run()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while len(learner.received) < 3 or first.counters()["actor/samples_taken"] <= len(
+                [k for r in learner.received for k in r.keys]):
+            assert time.monotonic() < deadline and thread.is_alive(), "the first actor made no progress in time"
+            time.sleep(0.02)
+        # die like `kill -9`: from this instant nothing more is sent, nothing flushed; ZMQ's queue goes with the socket
+        first.link.send, first._drain = (lambda requeue: None), (lambda: None)
+        first.request_stop()
+        thread.join(DEADLINE_S)
+        held = [k for r in learner.received for k in r.keys]
+        taken = first.counters()["actor/samples_taken"]
+        assert taken > len(held), "nothing died with the first actor: the test would prove nothing"
+        last_seq, n_first = max(r.seq for r in learner.received), len(learner.received)
+
+        learner.consume_every_s = 0.05
+        second = make(ScriptedClient(encoder.tokenizer), f"transport.base_port={port}",
+                      f"actor.max_samples={taken - len(held) + 4}")
+        assert run_with_deadline(second) == EXIT_OK
+        time.sleep(0.3)  # the last packs reach the fake rank
+    keys = [k for r in learner.received for k in r.keys]
+    assert len(keys) == len(set(keys)), "a sample the rank already held was produced again"
+    assert set(keys) == set(_stream_keys(second, len(keys))), "a sample that died with the first actor is missing"
+    assert second.counters()["actor/rejoins"] == 1 and second.counters()["actor/resume_skipped"] == len(held)
+    later = [r.seq for r in learner.received[n_first:]]
+    assert later and min(later) > last_seq, "the restarted actor's seqs must continue its id's, not restart at 0"
+    assert learner.max_unconsumed <= 2 and second.counters()["actor/conservation_ok"] == 1

@@ -365,3 +365,20 @@ def test_compare_runs_reports_waiting_and_b_throughput_against_the_first_run(tmp
     assert (s["train_s"], s["wait_for_rollouts_s"], s["wait_fraction"]) == (4.0, 2.0, 0.5)
     assert s["b_samples_rate_vs_first"] == 0.5 and s["steps_rate_vs_first"] == 0.5
     assert main([str(fast), str(tmp_path / "missing")]) == 1  # a run without records is an error
+
+
+@pytest.mark.slow
+def test_the_overload_soak_quick_run_balances_its_books_and_the_actor_exits_on_the_learners_done(tmp_path):
+    """bench/bench_soak.py --quick: a fast actor and a credit-ignoring peer against a learner rank's ready queue."""
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench/bench_soak.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["conservation"] == {"learner": True, "actor": True}
+    q = res["learner"]["queue"]
+    assert q["oldest_dropped"] > 0 and q["trained"] > 0  # overloaded: the queue dropped, and it kept training
+    assert res["actor"]["exit"] == 0 and res["actor"]["exit_after_learner_s"] < 10  # on the learner's done
+    for name in ("learner", "actor", "flood"):
+        p = res["processes"][name]
+        assert {"rss_mb", "threads", "fds", "sockets"} <= set(p) and p["rss_mb"]["end"] > 0, name

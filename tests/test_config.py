@@ -62,16 +62,6 @@ def test_rollout_buffer_fails_fast():
     assert "async" in msg
 
 
-@pytest.mark.parametrize(
-    "override,key",
-    [
-        ("rollout_matching.rollout_backend=hf", "rollout_matching.rollout_backend"),
-        ("rollout_matching.vllm.mode=colocate", "rollout_matching.vllm.mode"),
-    ],
-)
-def test_async_requires_server_rollouts(override, key):
-    msg = one_problem(BASE + [override], key)
-    assert "async" in msg
 
 
 def test_async_requires_full_sync():
@@ -118,15 +108,6 @@ def test_overlap_sync_in_a_one_process_mode_is_refused_with_the_fix(mode):
 def test_overlap_sync_in_async_mode_loads():
     cfg = load_config(None, BASE + ["stage2_ab.channel_b.async.sync_mode=overlap"], world_size=2)
     assert cfg.stage2_ab.channel_b.async_.sync_mode == "overlap"
-
-
-def test_pipeline_without_server_rollouts_fails():
-    msg = one_problem(
-        BASE + ["stage2_ab.channel_b.mode=step", "stage2_ab.channel_b.enable_pipeline=true",
-                "rollout_matching.rollout_backend=hf"],
-        "stage2_ab.channel_b.enable_pipeline",
-    )
-    assert "server rollouts" in msg
 
 
 def test_overlapping_gpu_sets_fail():

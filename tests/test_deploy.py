@@ -55,9 +55,10 @@ def test_launcher_refuses_overlapping_gpu_sets_before_starting_anything():
         build_plan(cfg, "c.yaml", [], Path("/tmp/logs"))
 
 
-def test_launcher_dry_run_prints_every_process_and_exits_zero():
-    res = subprocess.run([sys.executable, "-m", "launcher", "--config", "configs/demo_cpu.yaml", "--dry-run"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+def test_launcher_dry_run_prints_every_process_and_exits_zero(tmp_path):
+    # a fresh output_dir: the dry run also checks it (runs/demo may hold the user's last demo)
+    res = subprocess.run([sys.executable, "-m", "launcher", "--config", "configs/demo_cpu.yaml", "--dry-run",
+                          f"training.output_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     for name in ("rollout_server", "learner", "actor_r0_0", "actor_r1_0"):
         assert f"[{name}]" in res.stdout
@@ -73,8 +74,9 @@ def test_launcher_dry_run_reports_config_errors_with_exit_code_2():
 @pytest.mark.parametrize("mode", ["step", "micro"])
 def test_synchronous_modes_start_no_actor_processes(mode):
     # step/micro roll out inside the learner: actors would wait for credits nobody publishes, then exit 3.
+    extra = [] if mode == "step" else ["stage2_ab.channel_b.rollouts_per_step=null"]  # a step-mode key
     cfg = load_config(REPO / "configs/stage2_ab/step_single_gpu.yaml", [f"stage2_ab.channel_b.mode={mode}",
-                                                                      "stage2_ab.channel_b.enable_pipeline=false"])
+                                                                      "stage2_ab.channel_b.enable_pipeline=false", *extra])
     specs = build_plan(cfg, "c.yaml", [], Path("/tmp/logs"))
     assert [s.role for s in specs] == ["server", "learner"]
     assert set(render(cfg, "c.yaml", "gpu")["services"]) == {"rollout-server", "learner"}

@@ -269,3 +269,54 @@ def test_a_commit_whose_fingerprint_differs_from_the_staged_weights_is_refused_b
     resp = InferResponse.model_validate_json(r.content)
     assert resp.ver == ver == current_ver(server)
     assert [o.token_ids for o in resp.outputs] == versions.expected[versions.index_of_ver[ver]]
+
+
+def test_a_transport_failing_mid_send_gets_the_session_aborted_by_the_one_push_protocol(server, versions):
+    """``PushSender.push`` owns the abort: any transport's failure after the fence closed reopens it at
+    once (no idle timeout), the old weights and ver stay, and the transport's ``_failed`` hook runs."""
+    from learner.sync import PushSender
+
+    class CutLink(PushSender):
+        transport = "cut"
+        failed: list[BaseException] = []
+
+        def _send(self, session, planned, prepared, bucket_bytes, deadline):
+            session.send_bucket(dict(cast_stream(session.info, planned[:2])))
+            raise ConnectionResetError("link cut after the first bucket")
+
+        def _failed(self, exc):
+            self.failed.append(exc)
+
+    ver = current_ver(server)
+    with CutLink(server.url, timeout_s=60) as sender, pytest.raises(ConnectionResetError):
+        sender.push(versions.weights[-1].items(), bucket_bytes=BUCKET_BYTES)
+    assert [type(e) for e in CutLink.failed] == [ConnectionResetError]
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["ver"] == ver, health  # reopened by the abort, not a timeout
+    r = httpx.post(server.url + "/infer", json=BODY, timeout=30)
+    resp = InferResponse.model_validate_json(r.content)
+    assert resp.ver == ver and [o.token_ids for o in resp.outputs] == versions.expected[versions.index_of_ver[ver]]
+
+
+def test_a_stalled_bucket_upload_ends_its_session_at_the_idle_timeout_and_the_fence_reopens(server, versions):
+    """10 bytes of a 1000-byte bucket, then silence: the read gives up after sync_idle_timeout_s (a 408),
+    the session is aborted with the old weights and ver, /health is ok again and /infer is served."""
+    from common.protocol import BUCKET_HEADER, SyncBucketHeader
+    from tests.test_server_bad_input import metric, raw_http
+
+    ver = current_ver(server)
+    session = HttpWeightSender(server.url, timeout_s=60).open()
+    session.begin("drain")
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "syncing"
+    header = SyncBucketHeader(session=session.id, index=0, names=["x"], dtypes=["uint8"], shapes=[[1000]],
+                              offsets=[(0, 1000)]).model_dump_json()
+    status, body = raw_http(server.port, f"POST /sync/bucket HTTP/1.1\r\nHost: x\r\n{BUCKET_HEADER}: {header}\r\n"
+                            "Content-Length: 1000", [b"\0" * 10], timeout_s=IDLE_TIMEOUT_S + 30)
+    assert status == 408 and body["error"] == "request_timeout" and "old weights kept" in body["message"], body
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    assert (health["status"], health["sync_state"], health["ver"]) == ("ok", "idle", ver), health
+    r = httpx.post(server.url + "/infer", json=BODY, timeout=30)
+    resp = InferResponse.model_validate_json(r.content)
+    assert resp.ver == ver and [o.token_ids for o in resp.outputs] == versions.expected[versions.index_of_ver[ver]]
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        assert metric(http, 'rollout_syncs_total{outcome="stalled"}') == 1

@@ -49,8 +49,8 @@ def test_stale_packs_are_dropped_on_arrival_and_on_every_look():
 
 
 def test_reserve_takes_the_oldest_eligible_packs_and_training_them_fills_the_ledger():
-    q = make_queue(queue_limit=8)
-    for i, ver in enumerate([2, 1, 2, 2]):  # vers need not arrive in order
+    q = make_queue(queue_limit=8, ver_current=1)
+    for i, ver in enumerate([2, 1, 2, 2]):  # vers need not arrive in order (2 = ver_current + 1: admitted)
         q.push_frames(frames(ver, f"s{i}", seq=i))
     q.set_ver(3)  # ver 1 is stale now
     taken = q.reserve(2)

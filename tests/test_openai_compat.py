@@ -74,3 +74,12 @@ def test_unsupported_requests_are_a_400_the_client_raises(client, model_id):
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
     with pytest.raises(openai.UnprocessableEntityError):
         client.completions.create(model=model_id, prompt="x", max_tokens=10**9)
+
+
+def test_values_the_engine_cannot_take_are_a_422_or_400_naming_them_never_a_500(client, model_id):
+    with pytest.raises(openai.UnprocessableEntityError, match="seed"):
+        client.completions.create(model=model_id, prompt="x", max_tokens=2, seed=2**64)
+    with pytest.raises(openai.UnprocessableEntityError, match="stop"):
+        client.completions.create(model=model_id, prompt="x", max_tokens=2, stop=[""])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=model_id, max_tokens=2, messages=[{"role": ["user"], "content": "x"}])

@@ -110,6 +110,35 @@ def test_out_of_range_sampling_knobs_are_rejected_naming_the_knob(bad):
         P.SamplingParams(max_tokens=8, **bad)
 
 
+@pytest.mark.parametrize("bad, field", [
+    ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"), ({"top_k": 2**31}, "top_k"), ({"top_k": -2}, "top_k"),
+    ({"repetition_penalty": 1e-30}, "repetition_penalty"), ({"repetition_penalty": 1e30}, "repetition_penalty"),
+    ({"stop": [""]}, "stop.0"), ({"stop": ["x" * (P.MAX_STOP_CHARS + 1)]}, "stop.0"),
+    ({"stop": ["x"] * (P.MAX_STOP_STRINGS + 1)}, "stop"),
+])
+def test_sampling_values_no_engine_can_take_are_rejected_naming_the_field(bad, field):
+    with pytest.raises(ValidationError) as info:
+        P.SamplingParams(max_tokens=8, **bad)
+    assert P.ErrorResponse.from_validation_error(info.value).field == field
+
+
+def test_every_ver_on_the_wire_is_bounded_well_inside_int64():
+    assert P.MAX_VER < 2**63 and float(P.MAX_VER) == P.MAX_VER  # exact in JSON numbers and msgpack int64
+    item = {"prompt_token_ids": [1]}
+    with pytest.raises(ValidationError, match="min_ver"):
+        P.SyncCommitRequest(session="s", n_buckets=0, min_ver=10**30)
+    with pytest.raises(ValidationError, match="min_ver"):
+        P.InferRequest(items=[item], sampling={"max_tokens": 8}, min_ver=2**64)
+    for model, fields in ((P.InferResponse, {"outputs": [], "engine": "hf", "elapsed_s": 0.0}),
+                          (P.SyncCommitResponse, {"commit_s": 0.0, "fingerprint": "f"}),
+                          (P.SyncAbortResponse, {"state": "idle", "aborted": True})):
+        with pytest.raises(ValidationError, match="ver"):
+            model(ver=P.MAX_VER + 1, **fields)
+        model(ver=P.MAX_VER, **fields)
+    with pytest.raises(ValidationError, match="prompt_token_ids"):
+        P.InferItem(prompt_token_ids=[2**40])
+
+
 def test_batch_size_is_bounded():
     sampling = {"max_tokens": 8}
     with pytest.raises(ValidationError, match="items"):

@@ -140,6 +140,14 @@ def test_a_config_error_exits_with_code_2_naming_the_key_before_binding_anything
     assert "rollout_server.prot" in r.stderr and "rollout_server.port" in r.stderr  # "did you mean"
 
 
+def test_a_server_bound_beyond_loopback_without_a_token_refuses_to_start_naming_the_key():
+    r = subprocess.run([sys.executable, "-m", "rollout_server", "--config", str(REPO / "configs" / "demo_cpu.yaml"),
+                        "rollout_server.host=0.0.0.0", f"rollout_server.port={free_port_block(1)}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rollout_server.auth_token" in r.stderr and "oc.env:TANDEM_SYNC_TOKEN" in r.stderr, r.stderr[-2000:]
+
+
 def test_sigterm_stops_the_server_cleanly_with_exit_code_0(server):
     assert server.stop() == 0
     assert "Traceback" not in server.log_tail(200)

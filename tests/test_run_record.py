@@ -8,8 +8,7 @@ from pathlib import Path
 import yaml
 
 from common.config import load_config
-from learner.main import _record_run
-from learner.run_record import write_run_record
+from learner.run_record import start_run, write_run_record
 
 
 def _inputs(tmp_path: Path) -> tuple[Path, Path]:
@@ -53,6 +52,7 @@ def test_a_fresh_start_writes_the_resolved_config_and_what_produced_the_run(tmp_
     assert set(info["versions"]) == {"python", "torch", "transformers", "tandem"}
     assert info["git"] is None or len(info["git"]["commit"]) == 40
     assert info["started_utc"].endswith("+00:00") and info["resumes"] == []
+    assert len(info["run_id"]) == 32  # uuid4 hex, made at the fresh start
 
 
 def test_run_config_yaml_loads_back_into_the_same_config(tmp_path):
@@ -97,11 +97,15 @@ def test_the_server_token_never_reaches_the_run_directory(tmp_path):
 
 def test_the_entry_point_finds_the_resume_step_from_the_checkpoint_it_resumes(tmp_path):
     run = tmp_path / "run"
-    _record_run(_cfg(tmp_path), 2)
+    assert start_run(_cfg(tmp_path), 2) is None
+    run_id = json.loads((run / "run_info.json").read_text())["run_id"]
     (run / "checkpoints" / "30").mkdir(parents=True)
-    (run / "checkpoints" / "30" / "trainer_state.json").write_text(json.dumps({"global_step": 30, "ver": 15}))
-    _record_run(_cfg(tmp_path, "training.resume=auto"), 2)
-    _record_run(_cfg(tmp_path, f"training.resume={tmp_path / 'missing'}"), 2)  # not a checkpoint: the learner says so
+    (run / "checkpoints" / "30" / "trainer_state.json").write_text(
+        json.dumps({"run_id": run_id, "global_step": 30, "ver": 15}))
+    assert start_run(_cfg(tmp_path, "training.resume=auto"), 2) is None
+    refused = start_run(_cfg(tmp_path, f"training.resume={tmp_path / 'missing'}"), 2)  # not a checkpoint: exit 2
+    assert "is not a checkpoint directory" in refused
     info = json.loads((run / "run_info.json").read_text())
+    assert info["run_id"] == run_id  # kept by the resume
     assert [r["resumed_from_step"] for r in info["resumes"]] == [30]
     assert info["resumes"][0]["config_changes"] == {"training.resume": {"first": None, "now": "auto"}}

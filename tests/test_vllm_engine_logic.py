@@ -142,3 +142,61 @@ def test_commit_after_a_fast_update_resets_every_cache_and_reports_a_failed_pref
         assert asyncio.run(engine.commit("f" * 16)) is prefix_ok
         assert sorted(engine.llm.calls) == ["reset_encoder_cache", "reset_mm_cache", "reset_prefix_cache"]
         assert engine.fingerprint() == "f" * 16 and not engine._fast_updated and not engine._received
+
+
+class StreamingLLM:
+    """``AsyncLLM.generate`` as an endless stream (never finishes on its own); records ``abort`` calls."""
+
+    def __init__(self):
+        self.started, self.aborted = [], []
+
+    async def generate(self, prompt, sp, request_id):
+        self.started.append(request_id)
+        while True:
+            await asyncio.sleep(0.01)
+            yield None
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_cancelling_a_generate_aborts_every_request_id_of_the_batch_on_the_engine():
+    from types import SimpleNamespace
+
+    from common.protocol import InferItem, SamplingParams
+
+    engine = _engine([], lambda: [])
+    engine.llm, engine.tokenizer, engine._vocab, engine.max_request_tokens = StreamingLLM(), None, 100, None
+    engine._sampling = lambda s: SimpleNamespace(logprobs=None)  # vLLM's SamplingParams is not importable here
+    items = [InferItem(prompt_token_ids=[1, 2]), InferItem(prompt_token_ids=[3])]
+
+    async def client_goes_away():
+        task = asyncio.ensure_future(engine.generate(items, SamplingParams(max_tokens=8)))
+        while len(engine.llm.started) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()  # what the server does when the client disconnects (or an abort fence cuts the batch)
+        await asyncio.gather(task, return_exceptions=True)
+        return task
+
+    task = asyncio.run(client_goes_away())
+    assert task.cancelled()
+    assert sorted(engine.llm.aborted) == sorted(engine.llm.started) and len(engine.llm.started) == 2
+
+
+def test_a_batch_over_the_token_budget_is_a_413_before_vllm_sees_it():
+    import pytest
+
+    from common.protocol import InferItem, SamplingParams
+    from rollout_server.engines.base import EngineInputError
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": list(range(len(text.split())))}
+
+    engine = _engine([], lambda: [])
+    engine.llm, engine.tokenizer, engine._vocab, engine.max_request_tokens = StreamingLLM(), Tok(), 100, 20
+    items = [InferItem(prompt_token_ids=[1, 2, 3]), InferItem(prompt_token_ids=[4, 5])]
+    with pytest.raises(EngineInputError) as info:
+        asyncio.run(engine.generate(items, SamplingParams(max_tokens=8)))  # 3 + 2 + 2 x 8 = 21 > 20
+    assert info.value.status == 413 and "rollout_server.max_request_tokens = 20" in str(info.value)
+    assert engine.llm.started == []

@@ -171,12 +171,19 @@ class HFGenerator:
                 row.vision[k] = v
         return row
 
-    def prepare(self, prompts: Sequence[Prompt], images: Sequence[list[Any] | None] | None = None) -> list[_Row]:
-        """Encode every prompt (load images, apply the template); raises InputError early."""
+    def prepare(self, prompts: Sequence[Prompt], images: Sequence[list[Any] | None] | None = None, *,
+                cancel: threading.Event | None = None) -> list[_Row]:
+        """Encode every prompt (load images, apply the template); raises InputError early, and
+        CancelledGeneration between prompts once ``cancel`` is set."""
         images = list(images) if images is not None else [None] * len(prompts)
         if len(images) != len(prompts):
             raise InputError(f"{len(images)} image lists for {len(prompts)} prompts", "images")
-        return [self._encode(p, im, i) for i, (p, im) in enumerate(zip(prompts, images))]
+        rows = []
+        for i, (p, im) in enumerate(zip(prompts, images)):
+            if cancel is not None and cancel.is_set():
+                raise CancelledGeneration(0)
+            rows.append(self._encode(p, im, i))
+        return rows
 
     # ------------------------------------------------------------------ generation
 
@@ -190,11 +197,12 @@ class HFGenerator:
         ids: Sequence[str | None] | None = None,
     ) -> list[InferOutput]:
         """Complete every prompt; raises CancelledGeneration if ``cancel`` is set meanwhile."""
-        rows = self.prepare(prompts, images)
+        rows = self.prepare(prompts, images, cancel=cancel)
         return self.generate_rows(rows, sampling, cancel=cancel, ids=ids)
 
     def generate_rows(self, rows: list[_Row], sampling: SamplingParams, *, cancel: threading.Event | None = None,
                       ids: Sequence[str | None] | None = None) -> list[InferOutput]:
+        """Complete encoded rows (:meth:`prepare`), ``max_batch`` at a time; ``cancel`` as in :meth:`generate`."""
         for i, r in enumerate(rows):
             if self.max_positions and len(r.input_ids) + sampling.max_tokens > self.max_positions:
                 raise InputError(
@@ -250,7 +258,9 @@ class HFGenerator:
         finally:
             self.model.generation_config = saved
         if cancel is not None and cancel.is_set():
-            raise CancelledGeneration()
+            # The stopping criterion ended generate at the first token after the flag was set; args[0]
+            # says how many steps ran (the server logs it: a cancelled generation stops early).
+            raise CancelledGeneration(seqs.shape[1] - width)
         new = seqs[:, width:].tolist()
         logprobs = sampler.sampled_logprobs()  # one per step and row, or None
         if logprobs is not None and len(logprobs[0]) != len(new[0]):

@@ -33,7 +33,8 @@ def make_engine(cfg: Any) -> Engine:
     if srv.engine == "hf":
         from rollout_server.engines.hf import HFEngine
 
-        return HFEngine(path, dtype=srv.dtype, device=srv.device, max_batch=srv.hf_max_batch)
+        return HFEngine(path, dtype=srv.dtype, device=srv.device, max_batch=srv.hf_max_batch,
+                        max_request_tokens=srv.max_request_tokens)
     if srv.engine == "vllm":
         from rollout_server.engines.vllm.engine import VLLMEngine
 

@@ -44,6 +44,20 @@ class WeightUpdateError(ValueError):
         self.field = field
 
 
+def check_token_budget(prompt_lens: Sequence[int], max_tokens: int, budget: int | None) -> None:
+    """413 (:class:`EngineInputError`) when ``sum(prompt + max_tokens)`` over a batch exceeds ``budget``.
+
+    ``budget`` is ``rollout_server.max_request_tokens`` (None = no budget). Clients split a 413'd batch.
+    """
+    if budget is None:
+        return
+    need = sum(prompt_lens) + max_tokens * len(prompt_lens)
+    if need > budget:
+        raise EngineInputError(
+            f"{len(prompt_lens)} item(s) need {need} tokens (prompts {sum(prompt_lens)} + max_tokens {max_tokens} "
+            f"each), over rollout_server.max_request_tokens = {budget}", "sampling.max_tokens", 413)
+
+
 class EngineUnavailable(RuntimeError):
     """The selected engine cannot run here (e.g. vLLM not installed); the message names the fix."""
 
@@ -53,6 +67,8 @@ class Engine(abc.ABC):
 
     #: ``hf`` or ``vllm`` (reported in /health and every InferResponse).
     name: str = "engine"
+    #: ``rollout_server.max_request_tokens``: prompt + max_tokens over one generate call; None = none.
+    max_request_tokens: int | None = None
 
     def __init__(self, model_path: str) -> None:
         self.model_path = model_path
@@ -97,10 +113,11 @@ class Engine(abc.ABC):
     async def generate(self, items: Sequence[InferItem], sampling: SamplingParams) -> list[InferOutput]:
         """Complete every item under the current weights; outputs in item order.
 
-        Cancelling the awaiting task stops the work: the coroutine returns (raising
-        ``CancelledError``) only once the engine no longer computes on behalf of this call, so the
-        fence can rely on "no task running" meaning "engine quiet". Raises
-        :class:`EngineInputError` for requests it cannot serve.
+        Cancelling the awaiting task stops the work (a sync fence in abort mode, a client that
+        disconnected): the coroutine returns (raising ``CancelledError``) only once the engine no
+        longer computes on behalf of this call, so the fence can rely on "no task running" meaning
+        "engine quiet". Raises :class:`EngineInputError` for requests it cannot serve, a 413 for a
+        batch over :attr:`max_request_tokens` (:func:`check_token_budget`, once prompts are tokenized).
         """
 
     @abc.abstractmethod

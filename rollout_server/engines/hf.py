@@ -30,7 +30,7 @@ from common.processor import load_processor
 from common.tensors import weights as W
 from common.tensors.generate import HFGenerator
 from common.tensors.sampling import CancelledGeneration
-from rollout_server.engines.base import Engine, WeightUpdateError
+from rollout_server.engines.base import Engine, WeightUpdateError, check_token_budget
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,10 @@ class HFEngine(Engine):
 
     name = "hf"
 
-    def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "auto", max_batch: int = 16) -> None:
+    def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "auto", max_batch: int = 16,
+                 max_request_tokens: int | None = None) -> None:
         super().__init__(model_path)
+        self.max_request_tokens = max_request_tokens
         self._dtype_cfg, self._device_cfg, self._max_batch = dtype, device, max_batch
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
         self.gen: HFGenerator | None = None
@@ -112,11 +114,15 @@ class HFEngine(Engine):
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # Return only once the worker thread stopped computing for us: the fence counts on it.
+            # Return only once the worker thread stopped computing for us: the fence (and a client that
+            # disconnected) count on it. The flag is checked after every generated token.
             cancel.set()
             try:
                 await fut
-            except BaseException:  # noqa: BLE001 - CancelledGeneration or a late error; we are cancelled anyway
+            except CancelledGeneration as exc:
+                log.info("generation of %d item(s) cancelled after %s of %d tokens", len(items),
+                         exc.args[0] if exc.args else "?", sampling.max_tokens)
+            except BaseException:  # noqa: BLE001 - a late error; we are cancelled anyway
                 pass
             raise
 
@@ -125,7 +131,9 @@ class HFEngine(Engine):
             raise CancelledGeneration()
         assert self.gen is not None, "engine not started"
         prompts = [it.messages if it.messages is not None else it.prompt_token_ids for it in items]
-        return self.gen.generate(prompts, [it.images for it in items], sampling, cancel=cancel, ids=[it.id for it in items])
+        rows = self.gen.prepare(prompts, [it.images for it in items], cancel=cancel)
+        check_token_budget([len(r.input_ids) for r in rows], sampling.max_tokens, self.max_request_tokens)
+        return self.gen.generate_rows(rows, sampling, cancel=cancel, ids=[it.id for it in items])
 
     def encode_text(self, prompt: str) -> list[int]:
         assert self.gen is not None, "engine not started"

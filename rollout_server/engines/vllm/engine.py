@@ -13,8 +13,12 @@ Mapping onto vLLM:
   returns are the raw model's, like the hf engine's, so a detection's score does not depend on the
   temperature or penalty it was decoded with), native weight transfer configured (``backend=nccl``).
 * ``generate``: one ``AsyncLLM.generate`` per item (vLLM batches them continuously) with
-  ``output_kind=FINAL_ONLY``; cancelling our task makes AsyncLLM abort the request. A prompt vLLM
-  refuses (too long, id outside the vocabulary) is an EngineInputError (400). How items, sampling
+  ``output_kind=FINAL_ONLY``; cancelling our task (a fence in abort mode, a client that disconnected)
+  aborts every request id of the batch (``AsyncLLM.abort``; vLLM also aborts a request whose consumer
+  is cancelled, the explicit call does not depend on it). A prompt vLLM refuses (too long, id outside
+  the vocabulary) is an EngineInputError (400); a batch over ``rollout_server.max_request_tokens`` a 413
+  (text prompts counted by the tokenizer, image placeholders as one token: vLLM expands them later and
+  checks ``max_model_len`` itself). How items, sampling
   and outputs translate to vLLM's (every sampling field explicit, chat prompts as text plus PIL
   images, logprobs of the sampled token) is :mod:`rollout_server.engines.vllm.convert`.
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
@@ -59,7 +63,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.protocol import InferItem, InferOutput, SamplingParams, SyncBucketHeader, SyncInitRequest, TensorSpec
-from rollout_server.engines.base import Engine, EngineInputError, EngineUnavailable, WeightUpdateError
+from rollout_server.engines.base import (Engine, EngineInputError, EngineUnavailable, WeightUpdateError,
+                                         check_token_budget)
 from rollout_server.engines.vllm.convert import infer_output, sampling_kwargs, stop_token_ids, vllm_prompt
 
 log = logging.getLogger(__name__)
@@ -94,6 +99,7 @@ class VLLMEngine(Engine):
             raise EngineUnavailable(INSTALL_FIX)
         super().__init__(model_path)
         self.srv = srv
+        self.max_request_tokens = srv.max_request_tokens
         self.llm: Any = None
         self.tokenizer: Any = None
         self._dtype = "bfloat16" if srv.dtype == "auto" else srv.dtype
@@ -173,18 +179,30 @@ class VLLMEngine(Engine):
 
     async def _one(self, prompt: dict[str, Any], sp: Any, item_id: str | None, row: int) -> InferOutput:
         final = None
+        request_id = f"tandem-{uuid.uuid4().hex}"
         try:
-            async for out in self.llm.generate(prompt, sp, f"tandem-{uuid.uuid4().hex}"):
+            async for out in self.llm.generate(prompt, sp, request_id):
                 final = out
         except ValueError as exc:  # vLLM's input checks: prompt too long, bad ids, image count
             raise EngineInputError(f"vLLM refused item {row}: {exc}", f"items.{row}") from None
+        except asyncio.CancelledError:
+            # Stop the engine computing for a caller that is gone (idempotent for an id vLLM already dropped).
+            try:
+                await self.llm.abort(request_id)
+            except Exception as exc:  # noqa: BLE001 - best effort; we are cancelled anyway
+                log.warning("aborting vLLM request %s failed: %s", request_id, exc)
+            raise
         if final is None:  # pragma: no cover - vLLM always yields once with FINAL_ONLY
             raise RuntimeError("vLLM returned no output")
         return infer_output(final, item_id, with_logprobs=sp.logprobs is not None)
 
     async def generate(self, items: Sequence[InferItem], sampling: SamplingParams) -> list[InferOutput]:
-        sp = self._sampling(sampling)
         prompts = [vllm_prompt(it, i, self.tokenizer, self._vocab) for i, it in enumerate(items)]
+        if self.max_request_tokens is not None:
+            check_token_budget([len(p["prompt_token_ids"]) if "prompt_token_ids" in p else
+                                len(self.tokenizer(p["prompt"], add_special_tokens=False)["input_ids"])
+                                for p in prompts], sampling.max_tokens, self.max_request_tokens)
+        sp = self._sampling(sampling)
         tasks = [asyncio.ensure_future(self._one(p, sp, it.id, i)) for i, (p, it) in enumerate(zip(prompts, items))]
         try:
             return list(await asyncio.gather(*tasks))

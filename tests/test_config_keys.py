@@ -1,0 +1,99 @@
+"""Every config key does something or is refused with the fix; the origin's key paths name the tandem key."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+import pytest
+
+from common.config import Config, ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["model.path=m", "data.train_jsonl=d.jsonl", "stage2_ab.schedule.b_ratio=0.5"]
+MODES = {"async": [], "step": ["stage2_ab.channel_b.mode=step"], "micro": ["stage2_ab.channel_b.mode=micro"]}
+
+
+def problems(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides, world_size=1)
+    return exc.value.problems
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("override,fix", [("rollout_matching.rollout_backend=hf", "rollout_backend: vllm"),
+                                          ("rollout_matching.vllm.mode=colocate", "vllm.mode: server")])
+def test_in_learner_rollouts_are_refused_in_every_mode_with_what_is_supported(mode, override, fix):
+    key = override.split("=")[0]
+    (msg,) = [p for p in problems(BASE + MODES[mode] + [override]) if p.startswith(key)]
+    assert "not implemented" in msg and f"Fix: set {key}" in msg and fix in msg
+
+
+def test_the_origin_key_paths_get_the_tandem_key_each_maps_to():
+    probs = problems(BASE + ["custom.trainer_variant=stage2_ab_training",
+                             "custom.extra.rollout_matching.vllm.mode=server",
+                             "custom.extra.rollout_matching.decoding.temperature=0.7",
+                             "custom.extra.rollout_matching.top_p=0.9",
+                             "custom.extra.stage2_ab.channel_b.rollouts_per_step=32",
+                             "custom.extra.rollout_matching.rollout_buffer.enabled=true"])
+    by_key = {p.split(" = ")[0]: p for p in probs}
+    assert "unknown key" not in " ".join(probs)
+    assert "python -m learner.warm_start" in by_key["custom.trainer_variant"]
+    assert by_key["custom.extra.rollout_matching.vllm.mode"].endswith("Fix: write it as rollout_matching.vllm.mode")
+    assert "write it as rollout_matching.decoding.temperature" in by_key["custom.extra.rollout_matching.decoding.temperature"]
+    assert "rollout_matching.decoding.top_p" in by_key["custom.extra.rollout_matching.top_p"]  # retired on the way
+    assert "write it as stage2_ab.channel_b.rollouts_per_step" in by_key[
+        "custom.extra.stage2_ab.channel_b.rollouts_per_step"]
+    assert "async prefetch" in by_key["custom.extra.rollout_matching.rollout_buffer.enabled"]
+
+
+@pytest.mark.parametrize("override,mode", [("stage2_ab.channel_b.rollouts_per_step=8", "async"),
+                                           ("stage2_ab.channel_b.rollouts_per_step=8", "micro"),
+                                           ("learner.pack_wait_s=2", "step")])
+def test_a_key_only_another_mode_reads_is_refused(override, mode):
+    key = override.split("=")[0]
+    (msg,) = [p for p in problems(BASE + MODES[mode] + [override]) if p.startswith(key)]
+    assert f"not {mode}" in msg and "Fix: remove it" in msg
+
+
+def _leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, str, typing.Any]]:
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        key, tp = f"{prefix}{f.metadata.get('key', f.name)}", hints[f.name]
+        inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        if dataclasses.is_dataclass(inner):
+            out += _leaf_fields(inner, f"{key}.")
+        else:
+            out.append((key, f.name, tp))
+    return out
+
+
+def test_every_key_is_read_by_some_process_or_allows_one_value_only():
+    """A key nothing reads is accepted and ignored, unless its only allowed value is what the code does anyway
+    (rollout_matching.rollout_backend: vllm, kept so the origin's configs load)."""
+    import inspect
+
+    from common.config import derive  # where the config itself turns keys into values (GA, effective batch)
+
+    config_modules = {"config.py", "config_schema.py", "config_docs.py", "config_migration.py", "config_server.py"}
+    code = inspect.getsource(derive) + "\n".join(p.read_text(encoding="utf-8") for folder in ("common", "learner", "actor", "rollout_server",
+                                                                   "launcher", "evaluator", "stage_b", "tandem")
+                     for p in (REPO / folder).rglob("*.py") if p.name not in config_modules)
+    unread = [key for key, name, tp in _leaf_fields(Config)
+              if not re.search(rf"\.{name}\b", code)
+              and not (typing.get_origin(tp) is typing.Literal and len(typing.get_args(tp)) == 1)]
+    assert unread == [], f"keys accepted but read by nothing: {unread}"
+
+
+def test_log_every_steps_other_than_1_refuses_a_stage2_start_and_is_the_warm_starts_alone(tmp_path):
+    from common.run_dir import StartRefused, prepare_start
+
+    cfg = load_config(None, BASE + [f"training.output_dir={tmp_path / 'run'}", "training.log_every_steps=10"])
+    with pytest.raises(StartRefused, match="only the warm start reads it"):
+        prepare_start(cfg)
+    assert not (tmp_path / "run").exists()
+    assert load_config(REPO / "configs" / "warm_start_cpu.yaml").training.log_every_steps == 100  # still loads
