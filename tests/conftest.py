@@ -2,12 +2,16 @@
 
 Artifacts are built into ``<repo>/artifacts/`` (git-ignored) and reused across sessions: the builders
 are deterministic and skip work when the directory already holds a build with the same parameters,
-so the first session pays a few seconds and later ones nothing. Concurrent sessions are safe (each
-builder renames a private folder into place).
+so the first session pays a few seconds and later ones nothing. Concurrent sessions and parallel test
+workers are safe (each builder renames a private folder into place; the minutes-long detector build
+runs under a lock, so it runs once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,5 +66,15 @@ def tiny_detector_dir(tiny_model_dir: Path, detector_data_dir: Path) -> Path:
     cfg = load_config(REPO_ROOT / "configs" / "warm_start_cpu.yaml", [
         f"model.path={tiny_model_dir}", f"data.train_jsonl={data / 'train.jsonl'}",
         f"data.val_jsonl={data / 'val.jsonl'}", *TEST_DETECTOR_OVERRIDES], world_size=1)
-    path, _ = ensure_warm_start(cfg, ARTIFACTS / "tiny-detector-test")
+    with build_lock(ARTIFACTS / ".tiny-detector-test.lock"):  # pytest-xdist workers: one builds, the others wait
+        path, _ = ensure_warm_start(cfg, ARTIFACTS / "tiny-detector-test")
     return path
+
+
+@contextlib.contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock file across processes (fcntl): a build the parallel test workers share runs once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
