@@ -94,16 +94,7 @@ class SyncController:
     @contextlib.asynccontextmanager
     async def _op(self, session_id: str, *allowed: SyncState):
         async with self._lock:
-            s = self.session
-            if s is None:
-                raise ApiError(409, "sync_state", f"no sync session is open (session {session_id!r} ended: committed, "
-                               "aborted, or timed out); start again with /sync/init", field="session")
-            if s.id != session_id:
-                raise ApiError(409, "sync_conflict", f"session {session_id!r} is not the open one: "
-                               + self._describe_holder(), field="session")
-            if self.state not in allowed:
-                raise ApiError(409, "sync_state", f"call not allowed in state {self.state.value} "
-                               f"(allowed: {', '.join(a.value for a in allowed)})")
+            s = self._open_session(session_id, allowed)
             s.busy += 1
             s.last_activity = time.monotonic()
             try:
@@ -115,6 +106,10 @@ class SyncController:
     def check_bucket(self, session_id: str) -> Session:
         """The open, fenced session a bucket names, checked before its body is read: 409 otherwise
         (nothing read, nothing ended: a stray or late bucket must not cost the holder its session)."""
+        return self._open_session(session_id, (SyncState.FENCED,))
+
+    def _open_session(self, session_id: str, allowed: tuple[SyncState, ...]) -> Session:
+        """The open session ``session_id`` names, in one of the ``allowed`` states; a 409 naming why not."""
         s = self.session
         if s is None:
             raise ApiError(409, "sync_state", f"no sync session is open (session {session_id!r} ended: committed, "
@@ -122,8 +117,9 @@ class SyncController:
         if s.id != session_id:
             raise ApiError(409, "sync_conflict", f"session {session_id!r} is not the open one: "
                            + self._describe_holder(), field="session")
-        if self.state is not SyncState.FENCED:
-            raise ApiError(409, "sync_state", f"call not allowed in state {self.state.value} (allowed: fenced)")
+        if self.state not in allowed:
+            raise ApiError(409, "sync_state", f"call not allowed in state {self.state.value} "
+                           f"(allowed: {', '.join(a.value for a in allowed)})")
         return s
 
     async def upload_failed(self, session_id: str, exc: ApiError) -> ApiError:
