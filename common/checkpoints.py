@@ -43,7 +43,8 @@ def write_b_ledger(checkpoint_dir: str | Path, rank: int, trained_ids: set[str])
     ledger_path(checkpoint_dir, rank).write_text(json.dumps({"rank": rank, "trained_ids": sorted(trained_ids)}))
 
 
-def _json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON object file (run_info.json, trainer_state.json); {} when it is missing, torn or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -53,12 +54,12 @@ def _json(path: Path) -> dict:
 
 def run_id_of(output_dir: str | Path) -> str | None:
     """The run id of the run that owns ``output_dir`` (run_info.json's ``run_id``); None if none is recorded."""
-    return _json(Path(output_dir) / RUN_INFO).get("run_id")
+    return read_json_object(Path(output_dir) / RUN_INFO).get("run_id")
 
 
 def checkpoint_run_id(checkpoint_dir: str | Path) -> str | None:
     """The run id a checkpoint was written by (its trainer_state.json's ``run_id``; None before run ids)."""
-    return _json(Path(checkpoint_dir) / "trainer_state.json").get("run_id")
+    return read_json_object(Path(checkpoint_dir) / "trainer_state.json").get("run_id")
 
 
 def step_checkpoints(output_dir: str | Path) -> list[Path]:

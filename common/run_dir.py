@@ -27,15 +27,14 @@ What this module does not know: torch, ranks, or what a checkpoint holds beyond 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common.checkpoints import (RUN_INFO, checkpoint_run_id, latest_checkpoint, resolve_resume_checkpoint, run_id_of,
-                                step_checkpoints)
+from common.checkpoints import (RUN_INFO, checkpoint_run_id, latest_checkpoint, read_json_object,
+                                resolve_resume_checkpoint, run_id_of, step_checkpoints)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def run_contents(output_dir: str | Path) -> list[str]:
     if steps:
         found.append("checkpoints/ " + ", ".join(p.name for p in steps))
     if found and (out / RUN_INFO).is_file():
-        info = _read(out / RUN_INFO)
+        info = read_json_object(out / RUN_INFO)
         run = f"run id {info['run_id']}" if info.get("run_id") else "no run id: written before run ids"
         found.append(f"{RUN_INFO} ({run}, started {info.get('started_utc')})")
     return found
@@ -104,7 +103,7 @@ def prepare_start(cfg: Any, *, move: bool = True) -> Path | None:
 def move_aside(output_dir: str | Path) -> Path:
     """Rename ``output_dir`` to ``<output_dir>.old-<its run's start, UTC>`` (``-2``, ``-3``... if taken)."""
     out = Path(output_dir)
-    started = str(_read(out / RUN_INFO).get("started_utc") or "")
+    started = str(read_json_object(out / RUN_INFO).get("started_utc") or "")
     stamp = started.replace("-", "").replace(":", "").split("+")[0]  # 2026-12-01T10:15:00+00:00 -> 20261201T101500
     stamp = stamp or datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     target, n = _sibling(out, f"old-{stamp}"), 1
@@ -137,11 +136,3 @@ def _refusal(out: Path, there: list[str], resume: str | None) -> str:
 
 def _sibling(out: Path, suffix: str) -> Path:
     return out.with_name(f"{out.name}.{suffix}" if suffix.startswith("old-") else f"{out.name}-{suffix}")
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
