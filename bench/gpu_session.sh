@@ -25,13 +25,17 @@
 #   bash bench/gpu_session.sh Y6   # the same run after the actor admission change (actor metrics bundled too)
 #   bash bench/gpu_session.sh Y7   # 2 GPUs: 1 + 1 split, async vs the synchronous step baseline, 40 steps each
 #
+# 1-GPU machine (nvidia-h100-x1 / nvidia-h200), the one-GPU topology (learner beside vLLM on one GPU):
+#   bash bench/gpu_session.sh Z1   # setup + tests/test_gpu_vllm.py (CUDA graphs + ipc/http round trip)
+#   bash bench/gpu_session.sh Z2   # bench/bench_one_gpu_sync.py (ipc vs http) + configs/gpu/one_gpu.yaml, 50 steps
+#
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
 # Needs vLLM 0.26.0 importable (docs/gpu.md: staged under /tmp/site) and writes logs and results to
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -88,6 +92,14 @@ setup_x() {  # what every X part needs; models and data only where missing (a wa
       python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b &&
       python3 -m common.synthetic --out $DATA --n 96 --seed 0"
   fi
+}
+
+setup_z() {  # 1 GPU: the tiny model (GPU tests), the 0.5b preset and the data, where missing
+  mkdir -p .make && touch .make/installed
+  [ -f artifacts/tiny-model/tandem_build.json ] && [ -f $MODELS/0.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] ||
+    step models 150 bash -c "nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv;
+      python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
+      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b && python3 -m common.synthetic --out $DATA --n 96 --seed 0"
 }
 
 bundle() {  # bundle NAME PATH...: one tar.gz of what exists (log files cut to their last 3000 lines)
@@ -389,12 +401,30 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     bundle logs-Y7.tar.gz runs/y7-async/logs runs/y7-step/logs runs/y7-async/summary.json runs/y7-step/summary.json \
       runs/y7-async/metrics.jsonl runs/y7-step/metrics.jsonl
     ;;
+  Z1)  # ~7 min, 1 GPU: models + data, then the vLLM GPU tests (eager vs HF; graphs round trip over ipc and http)
+    BUDGET=${BUDGET:-580}
+    setup_z
+    step test-gpu-vllm 480 python3 -m pytest -q -m gpu tests/test_gpu_vllm.py -rs -s -p no:cacheprovider
+    grep -h "passed\|failed\|CUDA graphs, \|SKIPPED\|Error" "$LOG" | tail -12
+    ;;
+  Z2)  # ~8 min, 1 GPU: same-GPU sync bench (ipc vs http), then the one-GPU topology for 50 steps (sync every 2)
+    BUDGET=${BUDGET:-580}
+    setup_z
+    step bench-one-gpu-sync 220 python3 bench/bench_one_gpu_sync.py --model $MODELS/0.5b --syncs 5 \
+      --out "$OUT/one_gpu_sync.json"
+    rm -rf runs/z2-one-gpu
+    KILL_AFTER=30 step launcher-one-gpu 330 python3 -m launcher --config configs/gpu/one_gpu.yaml \
+      training.max_steps=50 training.output_dir=runs/z2-one-gpu run_name=z2-one-gpu --grace-s 20
+    evidence --json "$OUT/evidence-Z2.json" runs/z2-one-gpu >>"$LOG" 2>&1
+    grep -h "| ipc\|| http\|launcher-one-gpu\|\[runs" "$LOG" | tail -8
+    bundle logs-Z2.tar.gz runs/z2-one-gpu/logs runs/z2-one-gpu/summary.json runs/z2-one-gpu/metrics.jsonl
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|E" >&2
     exit 2
     ;;
 esac

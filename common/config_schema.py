@@ -193,8 +193,10 @@ class SyncConfig:
     """Weight sync to the rollout servers."""
 
     mode: Literal["full"] = doc("full = push every weight each sync (the only mode in v1).", "full")
-    transport: Literal["auto", "http", "nccl"] = doc(
-        "http = safetensors buckets over HTTP (CPU); nccl = NCCL broadcast (GPU); auto = nccl on CUDA.", "auto"
+    transport: Literal["auto", "http", "nccl", "ipc"] = doc(
+        "http = packed buckets over HTTP (any host); nccl = NCCL broadcast (GPU to other GPUs); ipc = the server "
+        "copies from the learner's memory (same GPU: CUDA IPC; CPU: /dev/shm); auto = ipc when the server "
+        "serves on the learner's GPU, else nccl to a vLLM server from a CUDA learner, else http.", "auto"
     )
     bucket_mb: int = doc("Bucket size for weight transfer.", 512)
     timeout_s: float = doc("Deadline for a whole sync (fence + wire + commit).", 300.0)
@@ -281,7 +283,8 @@ class RolloutServerConfig:
     max_batch_items: int = doc("Largest /infer batch accepted (more is a 413 naming the limit).", 256)
     hf_max_batch: int = doc("hf engine: sequences per generate call.", 16)
     enable_prefix_caching: bool = doc("vLLM prefix caching (reset after every weight update).", True)
-    enforce_eager: bool = doc("vLLM: no torch.compile, no CUDA graphs (starts in seconds, decodes slower).", False)
+    enforce_eager: bool = doc("vLLM: no torch.compile, no CUDA graphs: decodes ~4-5x slower, starts hardly faster "
+                              "than with a warm compile cache (docs/gpu.md).", False)
     load_format: Literal["auto", "dummy"] = doc(
         "vLLM weight loading: auto = model_path's safetensors; dummy = random weights of its config "
         "(benchmarks: the learner's first sync overwrites them).", "auto"
@@ -367,12 +370,13 @@ class LearnerConfig:
     """The torchrun learner."""
 
     gpus: list[int] | None = doc("GPU ids of the learner (launcher); must not overlap rollout_server.gpus "
-                                 "unless share_gpus_with_server.", None)
+                                 "unless share_gpus_with_server; None = the launcher hides every GPU from it (CPU).", None)
     share_gpus_with_server: bool = doc(
         "Allow learner.gpus to overlap rollout_server.gpus: the learner and the rollout server (hf engine, or "
         "vLLM with a low gpu_memory_utilization) share those GPUs, e.g. a one-GPU box. They then compete for "
         "the GPU's memory and compute; NCCL weight sync between two processes on one GPU fails, so use "
-        "rollout_matching.vllm.sync.transport: http.",
+        "rollout_matching.vllm.sync.transport: http. With a vLLM server the launcher refuses, at start, a learner whose "
+        "estimated memory does not fit beside the server's gpu_memory_utilization share (launcher/gpu_budget.py).",
         False,
     )
     nproc_per_node: int = doc("Learner ranks started by the launcher.", 1)

@@ -31,6 +31,7 @@ from common.sync_messages import (  # noqa: F401  (re-exported: the /sync/* half
     MAX_VER,
     MAX_VER_JUMP,
     SYNC_DTYPE_BYTES,
+    SharedBuffer,
     SyncAbortRequest,
     SyncAbortResponse,
     SyncBeginRequest,
@@ -43,6 +44,7 @@ from common.sync_messages import (  # noqa: F401  (re-exported: the /sync/* half
     SyncDtype,
     SyncInitRequest,
     SyncInitResponse,
+    SyncIpcRequest,
     SyncState,
     TensorSpec,
 )
@@ -113,6 +115,11 @@ class SamplingParams(_Message):
     top-p (so a score does not depend on the decoding knobs). Both engines report this: hf computes it
     in its sampler from the logits ``generate`` hands it, vllm runs with ``logprobs_mode=raw_logprobs``
     and ``logprobs=0``. Left out of the JSON when False (see ``InferOutput.logprobs``)."""
+    ignore_eos: bool = Field(False, exclude_if=lambda v: v is False)
+    """Do not stop at the eos / turn-end tokens (they are sampled like any other and kept): only
+    ``max_tokens`` and ``stop`` strings end a row, so every row without a stop string generates exactly
+    ``max_tokens`` — vLLM's ``ignore_eos``, for benchmarks that need a fixed output length. Left out of
+    the JSON when False, like ``logprobs``."""
 
 
 class ChatPart(_Message):

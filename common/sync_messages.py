@@ -87,8 +87,9 @@ class SyncInitRequest(_Message):
 
     client: str = Field(min_length=1)
     """Who pushes, for logs and 409 messages (e.g. ``learner-rank0@host:pid``)."""
-    transport: Literal["http", "nccl"]
-    """``http``: safetensors buckets in request bodies; ``nccl``: broadcast from learner rank 0."""
+    transport: Literal["http", "nccl", "ipc"]
+    """``http``: packed buckets in request bodies; ``nccl``: broadcast from learner rank 0; ``ipc``: the
+    server copies each bucket out of the learner's memory (same GPU: CUDA IPC; CPU: a /dev/shm file)."""
     bucket_bytes: int = Field(512 * 2**20, ge=1)
     """Bytes per bucket, at most; one tensor larger than this travels alone."""
     master_addr: str | None = None
@@ -113,8 +114,8 @@ class SyncInitRequest(_Message):
         missing = [k for k in ("master_addr", "master_port", "world_size") if getattr(self, k) is None]
         if self.transport == "nccl" and missing:
             raise ValueError(f"transport 'nccl' needs {missing}")
-        if self.transport == "http" and self.weight_load is not None:
-            raise ValueError("weight_load applies to transport 'nccl' only; leave it null for 'http'")
+        if self.transport != "nccl" and self.weight_load is not None:
+            raise ValueError(f"weight_load applies to transport 'nccl' only; leave it null for {self.transport!r}")
         return self
 
 
@@ -176,9 +177,10 @@ class SyncBeginResponse(_Message):
 class SyncBucketHeader(_Message):
     """Layout of one bucket, enough to validate it before staging (state stays fenced).
 
-    HTTP: JSON in the :data:`BUCKET_HEADER` request header of ``POST /sync/bucket``, whose body is a
-    safetensors blob; offsets are into its data section. NCCL: body of ``POST /sync/update``, sent
-    before rank 0 broadcasts one flat uint8 buffer; offsets are into that buffer.
+    HTTP: JSON in the :data:`BUCKET_HEADER` request header of ``POST /sync/bucket``, whose body is the
+    tensors' raw bytes packed end to end from byte 0 (``common/tensors/packed.py``: no gap, nothing
+    after the last tensor). NCCL: body of ``POST /sync/update``, sent before rank 0 broadcasts one
+    flat uint8 buffer; offsets are into that buffer. IPC: part of :class:`SyncIpcRequest`.
 
     Example:
         {"session": "s-7f3a", "index": 0, "names": ["lm_head.weight"], "dtypes": ["bfloat16"],
@@ -214,6 +216,78 @@ class SyncBucketHeader(_Message):
         return self
 
 
+_B64 = r"^[A-Za-z0-9+/=]*$"
+
+
+class SharedBuffer(_Message):
+    """Where an ``ipc`` bucket lies in the learner's memory (:class:`SyncIpcRequest`).
+
+    ``cuda``: a CUDA IPC handle of the learner's buffer, as ``torch.UntypedStorage._share_cuda_()``
+    gives it (byte strings base64); the server opens it only on the GPU whose UUID is ``device_uuid``.
+    ``shm``: a file under ``/dev/shm`` named ``tandem-sync-*``, mapped read-only. The bucket is bytes
+    ``[offset, offset + nbytes)`` of the buffer. No pickle: every field is a plain value.
+
+    Example:
+        {"kind": "shm", "path": "tandem-sync-4242-1f2e3d4c", "size": 67108864, "offset": 0}
+    """
+
+    kind: Literal["cuda", "shm"]
+    """``cuda``: GPU memory by CUDA IPC handle; ``shm``: a /dev/shm file."""
+    offset: int = Field(0, ge=0)
+    """Byte offset of the bucket in the buffer."""
+    size: int = Field(ge=0)
+    """Bytes of the buffer (cuda: of the storage)."""
+    path: str | None = Field(None, pattern=r"^tandem-sync-[A-Za-z0-9-]{1,64}$")
+    """shm: the file's name under /dev/shm."""
+    device_uuid: str | None = Field(None, max_length=64)
+    """cuda: ``torch.cuda.get_device_properties(d).uuid`` of the learner's GPU."""
+    handle: str | None = Field(None, max_length=512, pattern=_B64)
+    """cuda: the allocation's ``cudaIpcMemHandle`` (base64)."""
+    storage_offset: int = Field(0, ge=0)
+    """cuda: byte offset of the buffer's storage in that allocation."""
+    ref_counter_handle: str | None = Field(None, max_length=512, pattern=_B64)
+    """cuda: torch's shared reference counter (the learner keeps its buffer until the server lets go)."""
+    ref_counter_offset: int = Field(0, ge=0)
+    """cuda: the counter's slot."""
+    event_handle: str | None = Field(None, max_length=512, pattern=_B64)
+    """cuda: IPC event the server waits on before reading (base64; empty if none)."""
+    event_sync_required: bool = False
+    """cuda: whether to wait on ``event_handle``."""
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> SharedBuffer:
+        need = ["path"] if self.kind == "shm" else ["device_uuid", "handle", "ref_counter_handle"]
+        missing = [k for k in need if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"kind {self.kind!r} needs {missing}")
+        return self
+
+
+class SyncIpcRequest(SyncBucketHeader):
+    """Body of ``POST /sync/ipc``: one bucket the server copies out of the learner's memory.
+
+    The layout fields are :class:`SyncBucketHeader`'s (offsets relative to ``source.offset``); the reply
+    (:class:`SyncBucketResponse`) comes once the server has copied the bytes, so the learner may reuse
+    its buffer for the next bucket.
+
+    Example:
+        {"session": "s-7f3a", "index": 0, "names": ["model.norm.weight"], "dtypes": ["bfloat16"],
+         "shapes": [[896]], "offsets": [[0, 1792]],
+         "source": {"kind": "shm", "path": "tandem-sync-4242-1f2e3d4c", "size": 67108864, "offset": 0}}
+    """
+
+    source: SharedBuffer
+    """Where the bucket's bytes are."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> SyncIpcRequest:
+        end = self.offsets[-1][1] if self.offsets else 0
+        if self.source.offset + end > self.source.size:
+            raise ValueError(f"the bucket ends at byte {self.source.offset + end}, the shared buffer has "
+                             f"{self.source.size}")
+        return self
+
+
 class SyncBucketResponse(_Message):
     """Reply to ``/sync/bucket`` or ``/sync/update`` once the bucket is staged.
 
@@ -232,7 +306,7 @@ class SyncBucketResponse(_Message):
     elapsed_s: float = Field(ge=0)
     """Seconds from request to staged."""
     load: dict[str, float | str | bool | None] | None = None
-    """``/sync/update`` only: how the engine loaded it (vLLM: ``path`` fast|native, ``rpc_s`` worker
+    """``/sync/update`` and ``/sync/ipc``: how the engine loaded it (vLLM: ``path`` fast|native, ``rpc_s`` worker
     call, ``worker_s`` / ``gpu_s`` receive+copy as the slowest worker timed it, ``one_call``)."""
 
 

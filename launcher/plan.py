@@ -2,9 +2,10 @@
 
 A plan is a list of :class:`ProcessSpec`: argv, environment additions (GPU visibility), the log
 file, how readiness is checked, and how often the supervisor may start it again after it died
-(``launcher.max_actor_restarts``, ``launcher.max_server_restarts``). Nothing here starts a process, so
-the plan can be checked before any GPU is touched: overlapping GPU sets between the server and the
-learner are refused.
+(``launcher.max_actor_restarts``, ``launcher.max_server_restarts``). Nothing here starts a process of the
+run, so the plan can be checked before any GPU is touched: overlapping GPU sets between the server and the
+learner are refused, and so is, on a GPU they may share, a learner whose estimated memory does not fit
+beside the vLLM server's share (``launcher/gpu_budget.py``, which asks nvidia-smi for the GPU's total).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import Config
+from launcher.gpu_budget import shared_gpu_refusal
 
 
 class PlanError(ValueError):
@@ -58,6 +60,8 @@ def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Pat
                         "give the server and the learner disjoint GPU sets")
     if srv.engine == "vllm" and not srv.gpus:
         raise PlanError("rollout_server.engine is vllm but rollout_server.gpus is empty: list the server's GPUs")
+    if (why := shared_gpu_refusal(cfg)) is not None:  # now, not an out-of-memory error after the server started
+        raise PlanError(why)
     world = lrn.nproc_per_node
     common = ["--config", config_path, *overrides]
     specs: list[ProcessSpec] = []

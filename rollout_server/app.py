@@ -4,8 +4,9 @@
                                  syncing or in error, body still a HealthResponse)
     POST /infer                  InferRequest -> InferResponse (ver of the whole batch)
     POST /sync/init|begin|commit|abort    the weight-sync state machine (rollout_server.sync)
-    POST /sync/bucket            safetensors body + X-Tandem-Bucket JSON header (SyncBucketHeader)
+    POST /sync/bucket            packed raw tensor bytes + X-Tandem-Bucket JSON header (SyncBucketHeader)
     POST /sync/update            NCCL bucket announcement (vLLM engine only)
+    POST /sync/ipc               a bucket the server copies from the learner's shared buffer (SyncIpcRequest)
     GET  /sync/digest            SyncDigestResponse: exact weight digest per engine worker (409 mid-sync)
     GET  /metrics                Prometheus text (rollout_server.metrics)
     /v1/models, /v1/completions, /v1/chat/completions   OpenAI subset (rollout_server.openai_routes)
@@ -58,11 +59,14 @@ from common.protocol import (
     SyncDigestResponse,
     SyncInitRequest,
     SyncInitResponse,
+    SyncIpcRequest,
 )
+from common.tensors import packed as P
 from rollout_server.engines.base import Engine, EngineInputError
 from rollout_server.errors import ApiError, error_content
 from rollout_server.fence import AdmissionTimeout, Fence
-from rollout_server.guard import CLIENT_CLOSED, Limits, RequestGuard, check_pixels, read_body, unless_disconnected
+from rollout_server.guard import (CLIENT_CLOSED, Limits, RequestGuard, check_pixels, names_images, read_body,
+                                  unless_disconnected)
 from rollout_server.metrics import RequestCounter, ServerMetrics
 from rollout_server.sync import SyncController
 
@@ -185,10 +189,13 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
         return JSONResponse(body.model_dump(by_alias=True), status_code=200 if status == "ok" else 503)
 
     @app.post("/infer", response_model=InferResponse, responses=_ERRORS)
-    async def infer(req: InferRequest, request: Request) -> InferResponse:
+    async def infer(req: InferRequest, request: Request) -> Response:
         ticket, outputs = await generate(request, req.items, req.sampling, req.min_ver)
-        return InferResponse(ver=ticket.ver, outputs=outputs, engine=engine.name,
+        body = InferResponse(ver=ticket.ver, outputs=outputs, engine=engine.name,
                              elapsed_s=time.monotonic() - ticket.admitted_at)
+        # Serialized once, by pydantic's JSON encoder: FastAPI before 0.130 dumps the model to a dict, validates
+        # it again, dumps that to JSON-able objects and json.dumps them (32 items x 128 tokens: 0.62 vs 0.10 ms).
+        return Response(body.model_dump_json(), media_type="application/json")
 
     async def generate(request: Request, items: list[Any], sampling: Any, min_ver: int | None = None,
                        field: str = "items") -> tuple[Any, Any]:
@@ -202,7 +209,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
             raise ApiError(422, "bad_request", f"min_ver {min_ver} is more than {MAX_VER_JUMP} above the server's "
                            f"ver {fence.ver}: one commit moves ver by at most that", field="min_ver",
                            hint="ask for a ver the learner has pushed (its ver_current)")
-        if any(it.images or it.messages for it in items):  # headers only; before a ticket is taken
+        if any(names_images(it) for it in items):  # headers only, read on a thread; before a ticket is taken
             await asyncio.to_thread(check_pixels, items, limits)
         work = fence.run(lambda: engine.generate(items, sampling), min_ver=min_ver, timeout_s=srv.admission_timeout_s)
         try:
@@ -259,19 +266,28 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
         limit, key = limits.max_bucket_mb << 20, f"rollout_server.max_bucket_mb = {limits.max_bucket_mb}"
         hint = "lower rollout_matching.vllm.sync.bucket_mb"
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise ApiError(413, "bad_request", f"bucket of {int(length)} bytes exceeds {key}", field="body", hint=hint,
+        length = int(length) if length is not None and length.isdigit() else None  # None: chunked
+        if length is not None and length > limit:
+            raise ApiError(413, "bad_request", f"bucket of {length} bytes exceeds {key}", field="body", hint=hint,
                            headers={"Connection": "close"})
         # A stalled upload counts as idle: no chunk for sync_idle_timeout_s (or body_read_timeout_s, if
         # shorter), or the session's own deadline, ends the read and the session; the fence reopens.
         gap_s = min(limits.body_read_timeout_s, sync.idle_timeout_s)
         with sync.receiving(header.session):
             try:
-                blob = await read_body(request.receive, limit=limit, limit_key=key, gap_s=gap_s,
-                                       deadline=session.deadline, hint=hint)
+                body = await read_body(request.receive, limit=limit, limit_key=key, gap_s=gap_s,
+                                       deadline=session.deadline, hint=hint,
+                                       into=None if length is None else bytearray(length))
             except ApiError as exc:
                 raise await sync.upload_failed(header.session, exc) from None
-        return await sync.bucket(header, blob)
+        return await sync.bucket(header, P.from_bytes(body if isinstance(body, bytearray) else bytearray(body)))
+
+    @admin.post("/ipc", response_model=SyncBucketResponse)
+    async def sync_ipc(req: SyncIpcRequest) -> SyncBucketResponse:
+        if "ipc" not in sync.engine_transports():
+            raise ApiError(400, "bad_request", f"/sync/ipc is not served by the {engine.name} engine",
+                           field="transport", hint="set rollout_matching.vllm.sync.transport: http")
+        return await sync.ipc(req)
 
     @admin.post("/update", response_model=SyncBucketResponse)
     async def sync_update(header: SyncBucketHeader) -> SyncBucketResponse:
@@ -314,11 +330,12 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
                            "while the weights were read", hint="retry")
         return SyncDigestResponse(engine=engine.name, ver=ver, digests=digests)
 
-    app.include_router(admin)
-
     from rollout_server.openai_routes import openai_router
 
+    # /v1 before /sync: routes are matched in order, and every /v1 request would first be tried against
+    # each /sync route (sync requests are a few per weight update).
     app.include_router(openai_router(engine, generate, require_ready))
+    app.include_router(admin)
     app.add_middleware(RequestGuard, limits=limits)  # inside the counter: its 401/408/413s are counted
     app.add_middleware(RequestCounter, metrics=metrics)
     return app

@@ -105,6 +105,7 @@ class RequestCounter:
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
+        self._children: dict[tuple[str, int], Any] = {}  # (route, code) -> its counter: no labels() per request
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -122,4 +123,8 @@ class RequestCounter:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            self.metrics.requests.labels(route=route, code=str(code["status"])).inc()
+            key = (route, code["status"])
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self.metrics.requests.labels(route=route, code=str(key[1]))
+            child.inc()

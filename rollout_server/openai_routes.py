@@ -8,9 +8,9 @@ The request bodies here are OpenAI's schema, not tandem's (``common.protocol``);
 fields are accepted and ignored, as vLLM does, but the ones that would change the answer and that
 we do not implement (``n > 1``, ``stream``, ``logprobs``, ``tools``) are refused with a 400 naming
 them. Sampling maps onto :class:`common.protocol.SamplingParams` like vLLM's OpenAI server (extra
-``top_k`` and ``repetition_penalty`` accepted); ``max_tokens`` defaults to 16 for completions (the
-OpenAI default) and 512 for chat. Requests go through the same fence as /infer: the batch's
-``ver`` is in ``system_fingerprint`` as ``ver-<n>``. Images must be ``data:`` URIs (the server
+``top_k``, ``repetition_penalty`` and ``ignore_eos`` accepted); ``max_tokens`` defaults to 16 for
+completions (the OpenAI default) and 512 for chat. Requests go through the same fence as /infer: the
+batch's ``ver`` is in ``system_fingerprint`` as ``ver-<n>``. Images must be ``data:`` URIs (the server
 does not download, and this route does not read server-side paths). Errors under ``/v1`` use
 OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}`` so OpenAI clients show the
 message; every other route answers with ``common.protocol.ErrorResponse``.
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.protocol import (MAX_INT32, MAX_SEED, MAX_TOKENS_LIMIT, REPETITION_PENALTY_RANGE, ChatMessage, ChatPart,
@@ -47,6 +48,7 @@ class _OpenAIRequest(BaseModel):
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
+    ignore_eos: bool = False  # vLLM's extra parameter: eos / turn end do not stop (fixed-length benchmarks)
     n: int = 1
     stream: bool = False
     logprobs: Any = None
@@ -66,6 +68,7 @@ class _OpenAIRequest(BaseModel):
             max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
             seed=self.seed, stop=stop,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -143,8 +146,10 @@ def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: C
             raise ApiError(422, "bad_request", str(exc).splitlines()[0] + ": " + "; ".join(
                 f"{loc}: {msg}" for loc, msg in problems), field=problems[0][0] if problems else None) from None
 
+    # The /v1 handlers answer JSONResponse: one json.dumps, where a returned dict is validated against its
+    # annotation first (and, before FastAPI 0.130, converted to JSON-able objects before the dumps).
     @router.post("/completions")
-    async def completions(req: CompletionRequest, request: Request) -> dict[str, Any]:
+    async def completions(req: CompletionRequest, request: Request) -> JSONResponse:
         sampling = wrap(lambda: req.sampling(COMPLETION_DEFAULT_MAX_TOKENS))
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -155,24 +160,24 @@ def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: C
         items = wrap(lambda: [InferItem(prompt_token_ids=p if isinstance(p, list) else engine.encode_text(p))
                               for p in prompts])
         ver, outputs = await complete(request, items, sampling, "prompt")
-        return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
-                "model": model_id(), "system_fingerprint": f"ver-{ver}",
-                "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
-                            for i, o in enumerate(outputs)],
-                "usage": _usage(outputs)}
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion",
+                             "created": int(time.time()), "model": model_id(), "system_fingerprint": f"ver-{ver}",
+                             "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                                          "logprobs": None} for i, o in enumerate(outputs)],
+                             "usage": _usage(outputs)})
 
     @router.post("/chat/completions")
-    async def chat(req: ChatRequest, request: Request) -> dict[str, Any]:
+    async def chat(req: ChatRequest, request: Request) -> JSONResponse:
         sampling = wrap(lambda: req.sampling(CHAT_DEFAULT_MAX_TOKENS))
         messages = wrap(lambda: [_chat_message(i, m) for i, m in enumerate(req.messages)])
         item = wrap(lambda: InferItem(messages=messages))
         ver, outputs = await complete(request, [item], sampling, "messages")
         o = outputs[0]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_id(), "system_fingerprint": f"ver-{ver}",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
-                             "finish_reason": o.finish_reason, "logprobs": None}],
-                "usage": _usage(outputs)}
+        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion",
+                             "created": int(time.time()), "model": model_id(), "system_fingerprint": f"ver-{ver}",
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
+                                          "finish_reason": o.finish_reason, "logprobs": None}],
+                             "usage": _usage(outputs)})
 
     return router
 

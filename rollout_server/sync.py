@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from common.protocol import (
     MAX_VER_JUMP,
     SyncAbortRequest,
@@ -41,9 +43,10 @@ from common.protocol import (
     SyncCommitResponse,
     SyncInitRequest,
     SyncInitResponse,
+    SyncIpcRequest,
     SyncState,
 )
-from common.tensors import weights as W
+from common.tensors import packed as P
 from rollout_server.engines.base import Engine, WeightUpdateError
 from rollout_server.errors import ApiError
 from rollout_server.fence import Fence
@@ -66,7 +69,7 @@ class Session:
     nbytes: int = 0
     fence_done: float | None = None
     fence_s: float = 0.0
-    update_started: bool = False  # an NCCL /sync/update reached the engine
+    update_started: bool = False  # an NCCL /sync/update or an /sync/ipc bucket reached the engine
 
 
 class SyncController:
@@ -153,9 +156,9 @@ class SyncController:
         with contextlib.suppress(Exception):
             await self.engine.discard()
         if s is not None and s.update_started and getattr(self.engine, "updates_in_place", False):
-            # vLLM's native transfer loads weights as they arrive: nothing staged to drop, so the
+            # vLLM loads NCCL and IPC buckets as they arrive: nothing staged to drop, so the
             # served weights may already be (partly) new while ver is old. Refuse to serve them.
-            self.error = (f"sync {s.id} ended after its NCCL update had started loading weights ({reason}); "
+            self.error = (f"sync {s.id} ended after its {s.transport} update had started loading weights ({reason}); "
                           "served weights no longer match ver: restart the rollout server")
             log.error("%s", self.error)
         if not self.fence.is_open and self.error is None:
@@ -234,21 +237,13 @@ class SyncController:
             return SyncBeginResponse(ver_before=self.fence.ver, drained=in_flight - aborted, aborted=aborted,
                                      fence_s=s.fence_s)
 
-    async def bucket(self, header: SyncBucketHeader, blob: bytes) -> SyncBucketResponse:
+    async def bucket(self, header: SyncBucketHeader, body: torch.Tensor) -> SyncBucketResponse:
+        """One HTTP bucket: ``body`` is the received bytes (a flat uint8 tensor), the tensors packed end to end."""
         async with self._op(header.session, SyncState.FENCED) as s:
             t0 = time.monotonic()
-            if header.index != s.next_index:
-                raise await self._fail(ApiError(409, "sync_state", f"bucket index {header.index}, expected "
-                                                f"{s.next_index} (buckets are numbered from 0, in order)",
-                                                field="index"), "bucket out of order")
+            await self._check_index(s, header)
             try:
-                declared = sorted(zip(header.names, header.dtypes, header.shapes, map(tuple, header.offsets)),
-                                  key=lambda e: e[3][0])
-                actual = [(n, d, sh, tuple(o)) for n, d, sh, o in W.bucket_layout(blob)]
-                if declared != actual:
-                    raise ValueError(f"the {len(blob)}-byte body holds {[(n, d, sh) for n, d, sh, _ in actual][:3]}..., "
-                                     f"the header declares {[(n, d, sh) for n, d, sh, _ in declared][:3]}...")
-                tensors = W.decode_bucket(blob)
+                tensors = P.unpack(body, header.names, header.dtypes, header.shapes, header.offsets)
             except ValueError as exc:
                 raise await self._fail(ApiError(400, "bad_request", f"bucket {header.index}: {exc}", field="body"),
                                        "malformed bucket") from None
@@ -258,12 +253,46 @@ class SyncController:
                 raise await self._fail(ApiError(400, "bad_request", f"bucket {header.index}: {exc}",
                                                 field=f"names.{exc.field}" if exc.field else "names"),
                                        "bucket does not match the manifest") from None
-            s.next_index += 1
-            s.nbytes += nbytes
-            if self.metrics is not None:
-                self.metrics.sync_bytes.inc(nbytes)
-            return SyncBucketResponse(session=s.id, index=header.index, n_tensors=len(tensors), nbytes=nbytes,
-                                      elapsed_s=time.monotonic() - t0)
+            return self._staged(s, header, len(tensors), nbytes, t0)
+
+    async def ipc(self, req: SyncIpcRequest) -> SyncBucketResponse:
+        """One ``ipc`` bucket: the engine copies it out of the learner's shared buffer before this returns."""
+        async with self._op(req.session, SyncState.FENCED) as s:
+            if s.transport != "ipc":
+                raise ApiError(409, "sync_state", f"this session was opened with transport {s.transport}: /sync/ipc "
+                               "serves sessions opened with transport ipc", field="transport")
+            t0 = time.monotonic()
+            await self._check_index(s, req)
+            s.update_started = True
+            self.engine.last_update_info = None
+            try:
+                nbytes = await asyncio.wait_for(self.engine.receive_ipc(req), timeout=max(1.0, s.deadline - t0))
+            except TimeoutError:
+                raise await self._fail(ApiError(504, "sync_timeout", f"ipc bucket {req.index} not loaded before the "
+                                                "session deadline"), "ipc load timeout") from None
+            except (ValueError, WeightUpdateError) as exc:
+                field = "source" if isinstance(exc, ValueError) else f"names.{exc.field}" if exc.field else "names"
+                raise await self._fail(ApiError(400, "bad_request", f"ipc bucket {req.index}: {exc}", field=field),
+                                       "ipc bucket refused") from None
+            except Exception as exc:  # noqa: BLE001 - any failure ends the session, old weights kept
+                raise await self._fail(ApiError(500, "engine_error", f"ipc bucket {req.index}: {type(exc).__name__}: "
+                                                f"{exc}"), "ipc load failed") from None
+            return self._staged(s, req, len(req.names), nbytes, t0, load=self.engine.last_update_info)
+
+    async def _check_index(self, s: Session, header: SyncBucketHeader) -> None:
+        if header.index != s.next_index:
+            raise await self._fail(ApiError(409, "sync_state", f"bucket index {header.index}, expected {s.next_index} "
+                                            "(buckets are numbered from 0, in order)", field="index"),
+                                   "bucket out of order")
+
+    def _staged(self, s: Session, header: SyncBucketHeader, n_tensors: int, nbytes: int, t0: float,
+                load: dict | None = None) -> SyncBucketResponse:
+        s.next_index += 1
+        s.nbytes += nbytes
+        if self.metrics is not None:
+            self.metrics.sync_bytes.inc(nbytes)
+        return SyncBucketResponse(session=s.id, index=header.index, n_tensors=n_tensors, nbytes=nbytes,
+                                  elapsed_s=time.monotonic() - t0, load=load)
 
     async def update(self, header: SyncBucketHeader) -> SyncBucketResponse:
         """One NCCL bucket: the engine receives what the learner broadcasts (``/sync/update``)."""
@@ -295,12 +324,7 @@ class SyncController:
             except Exception as exc:  # noqa: BLE001 - any failure ends the session, old weights kept
                 raise await self._fail(ApiError(500, "engine_error", f"NCCL update {header.index}: "
                                                 f"{type(exc).__name__}: {exc}"), "nccl update failed") from None
-            s.next_index += 1
-            s.nbytes += nbytes
-            if self.metrics is not None:
-                self.metrics.sync_bytes.inc(nbytes)
-            return SyncBucketResponse(session=s.id, index=header.index, n_tensors=len(header.names), nbytes=nbytes,
-                                      elapsed_s=time.monotonic() - t0, load=self.engine.last_update_info)
+            return self._staged(s, header, len(header.names), nbytes, t0, load=self.engine.last_update_info)
 
     async def commit(self, req: SyncCommitRequest) -> SyncCommitResponse:
         async with self._op(req.session, SyncState.FENCED) as s:

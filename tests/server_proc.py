@@ -4,7 +4,9 @@
         httpx.get(srv.url + "/health")
 
 The server runs ``python -m rollout_server --config configs/demo_cpu.yaml`` on a fresh loopback
-port; its output goes to a log file whose tail is quoted when something times out.
+port; its output goes to a log file whose tail is quoted when something times out. :func:`launch`
+starts any HTTP server command the same way (benchmarks start ``vllm serve`` with it); with
+``new_session`` it leads its own process group, and ``stop`` also ends the children it leaves behind.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class ServerProcess:
     port: int
     log_path: Path
     statuses_seen: list[str] = field(default_factory=list)  # /health status values while starting
+    name: str = "rollout server"
+    command: str = "python -m rollout_server"  # named in timeout messages
+    own_group: bool = False  # started with its own process group (launch(new_session=True))
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -43,19 +48,41 @@ class ServerProcess:
         except OSError:
             return "<no log>"
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Signal our own PID, wait up to STOP_DEADLINE_S, then SIGKILL; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a test may have frozen it (SIGSTOP); a frozen process ignores SIGTERM
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=STOP_DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_DEADLINE_S)
-                raise AssertionError(f"rollout server pid {self.proc.pid} ignored SIGTERM for {STOP_DEADLINE_S}s:\n"
-                                     + self.log_tail()) from None
-        return self.proc.returncode
+    def stop(self, sig: int = signal.SIGTERM, deadline_s: float = STOP_DEADLINE_S) -> int:
+        """Signal our own PID, wait up to ``deadline_s``, then SIGKILL; returns the exit code. With its own
+        process group, whatever of the group outlives the server (worker processes) is killed too."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGCONT)  # a test may have frozen it (SIGSTOP); a frozen process ignores SIGTERM
+                self.proc.send_signal(sig)
+                try:
+                    self.proc.wait(timeout=deadline_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=deadline_s)
+                    raise AssertionError(f"{self.name} pid {self.proc.pid} ignored {signal.Signals(sig).name} for "
+                                         f"{deadline_s}s:\n" + self.log_tail()) from None
+            return self.proc.returncode
+        finally:
+            if self.own_group:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # our group only: pgid = the leader's pid
+                end = time.monotonic() + deadline_s  # gone, not just signalled: the next server needs the GPU
+                while _live_members(self.proc.pid) and time.monotonic() < end:
+                    time.sleep(0.1)
+
+
+def _live_members(pgid: int) -> list[int]:
+    """PIDs of process group ``pgid`` that are not zombies (from /proc; [] where there is no /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 def server_command(model_dir: Path, port: int, overrides: Sequence[str] = (), *,
@@ -66,20 +93,30 @@ def server_command(model_dir: Path, port: int, overrides: Sequence[str] = (), *,
             f"model.path={model_dir}", *level, *overrides]
 
 
+def launch(cmd: Sequence[str], port: int, *, env: dict[str, str] | None = None, name: str = "rollout server",
+           new_session: bool = False) -> ServerProcess:
+    """Start ``cmd`` (an HTTP server on loopback ``port``) from the repo root, output to a log file; return at
+    once. ``new_session``: the server leads its own process group (``stop`` then ends its children too)."""
+    log_file = tempfile.NamedTemporaryFile(prefix=f"{name.replace(' ', '-')}-{port}-", suffix=".log", delete=False)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keep a staged site dir
+    proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": path, **(env or {})}, start_new_session=new_session)
+    log_file.close()
+    shown = " ".join(cmd[1:] if cmd[0] == sys.executable else cmd)
+    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", port=port, log_path=Path(log_file.name),
+                         name=name, command=("python " if cmd[0] == sys.executable else "") + shown,
+                         own_group=new_session)
+
+
 def start_server(model_dir: Path, overrides: Sequence[str] = (), *, env: dict[str, str] | None = None,
-                 **command: object) -> ServerProcess:
-    """Launch a server on a fresh port and return at once (call ``wait_healthy`` before using it).
+                 port: int | None = None, new_session: bool = False, **command: object) -> ServerProcess:
+    """Launch a rollout server on ``port`` (None: a fresh one) and return at once (call ``wait_healthy``).
 
     ``env``: extra environment (e.g. ``CUDA_VISIBLE_DEVICES``); ``command``: :func:`server_command`'s keywords.
     """
-    port = free_port_block(1)
-    log_file = tempfile.NamedTemporaryFile(prefix=f"rollout-server-{port}-", suffix=".log", delete=False)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keep a staged site dir
-    env = {**os.environ, "PYTHONPATH": path, "TRANSFORMERS_VERBOSITY": "error", **(env or {})}
-    proc = subprocess.Popen(server_command(model_dir, port, overrides, **command), cwd=REPO, stdout=log_file,
-                            stderr=subprocess.STDOUT, env=env)
-    log_file.close()
-    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", port=port, log_path=Path(log_file.name))
+    port = port or free_port_block(1)
+    return launch(server_command(model_dir, port, overrides, **command), port,
+                  env={"TRANSFORMERS_VERBOSITY": "error", **(env or {})}, new_session=new_session)
 
 
 def wait_healthy(srv: ServerProcess, deadline_s: float = START_DEADLINE_S) -> None:
@@ -87,11 +124,14 @@ def wait_healthy(srv: ServerProcess, deadline_s: float = START_DEADLINE_S) -> No
     end = time.monotonic() + deadline_s
     while True:
         if srv.proc.poll() is not None:
-            raise AssertionError(f"rollout server exited with code {srv.proc.returncode} during start:\n"
+            raise AssertionError(f"{srv.name} exited with code {srv.proc.returncode} during start:\n"
                                  + srv.log_tail())
         try:
             r = httpx.get(srv.url + "/health", timeout=2.0)
-            status = r.json().get("status")
+            try:
+                status = r.json().get("status")
+            except (ValueError, AttributeError):  # not a JSON object: vllm serve answers an empty 200
+                status = str(r.status_code)
             if not srv.statuses_seen or srv.statuses_seen[-1] != status:
                 srv.statuses_seen.append(status)
             if r.status_code == 200:
@@ -99,8 +139,8 @@ def wait_healthy(srv: ServerProcess, deadline_s: float = START_DEADLINE_S) -> No
         except httpx.HTTPError:
             pass
         if time.monotonic() > end:
-            raise AssertionError(f"rollout server on port {srv.port} not healthy after {deadline_s}s "
-                                 f"(python -m rollout_server, pid {srv.proc.pid}):\n" + srv.log_tail())
+            raise AssertionError(f"{srv.name} on port {srv.port} not healthy after {deadline_s}s "
+                                 f"({srv.command}, pid {srv.proc.pid}):\n" + srv.log_tail())
         time.sleep(0.1)
 
 

@@ -24,6 +24,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from common.protocol import BUCKET_HEADER, ErrorResponse, SyncBucketHeader
+from common.tensors import packed as P
 from common.tensors import weights as W
 from learner.sync import SyncError
 from learner.sync.http import HttpWeightSender
@@ -202,7 +203,10 @@ def _begun_session(server):
 
 
 def _post_bucket(http, session_id: str, tensors: dict[str, torch.Tensor], index: int = 0, header_patch=None):
-    blob, layout = W.encode_bucket(tensors)
+    layout = P.packed_layout(list(tensors.items()), {n: W.dtype_name(t.dtype) for n, t in tensors.items()})
+    buf = torch.empty(P.nbytes_of(layout), dtype=torch.uint8)
+    P.pack_into(buf, list(tensors.values()), layout)
+    blob = buf.numpy().tobytes()
     header = {"session": session_id, "index": index, "names": [e[0] for e in layout],
               "dtypes": [e[1] for e in layout], "shapes": [e[2] for e in layout], "offsets": [e[3] for e in layout]}
     header.update(header_patch or {})
@@ -222,7 +226,7 @@ def test_a_wrong_shaped_bucket_gets_400_naming_the_tensor_and_the_old_weights_st
     assert (health["ver"], health["sync_state"], health["status"]) == (ver, "idle", "ok")  # session ended, fence open
 
 
-@pytest.mark.parametrize("case", ["unknown-name", "wrong-dtype", "header-disagrees-with-body", "not-safetensors",
+@pytest.mark.parametrize("case", ["unknown-name", "wrong-dtype", "header-disagrees-with-body", "trailing-bytes",
                                   "out-of-order-index", "missing-header"])
 def test_a_malformed_bucket_gets_a_4xx_naming_the_problem(server, http, case):
     session = _begun_session(server)
@@ -239,14 +243,14 @@ def test_a_malformed_bucket_gets_a_4xx_naming_the_problem(server, http, case):
         r = _post_bucket(http, session.id, {spec.name: good},
                          header_patch={"shapes": [[2, 2]], "offsets": [[0, other.numel() * other.element_size()]]})
         err = error_of(r, 400)
-        assert err.field == "body" and "declares" in err.message
-    elif case == "not-safetensors":
-        r = http.post("/sync/bucket", content=b"\x00" * 3, headers={
+        assert err.field == "body" and "the body has" in err.message
+    elif case == "trailing-bytes":  # bytes past the last declared tensor are refused, not ignored
+        r = http.post("/sync/bucket", content=b"\x00" * 5, headers={
             **admin(), "Content-Type": "application/octet-stream",
-            BUCKET_HEADER: SyncBucketHeader(session=session.id, index=0, names=["x"], dtypes=["uint8"], shapes=[[3]],
-                                            offsets=[(0, 3)]).model_dump_json()})
+            BUCKET_HEADER: SyncBucketHeader(session=session.id, index=0, names=[spec.name], dtypes=["uint8"],
+                                            shapes=[[3]], offsets=[(0, 3)]).model_dump_json()})
         err = error_of(r, 400)
-        assert "safetensors" in err.message
+        assert err.field == "body" and "end at byte 3" in err.message and "5 bytes" in err.message
     elif case == "out-of-order-index":
         err = error_of(_post_bucket(http, session.id, {spec.name: good}, index=3), 409)
         assert err.field == "index" and "expected 0" in err.message

@@ -9,12 +9,14 @@ import torch
 
 from learner.sync import PushSender, WeightSender, make_sender
 from learner.sync.http import HttpWeightSender
+from learner.sync.ipc import IpcWeightSender
 from learner.sync.nccl import NcclWeightSender
 
 URL = "http://127.0.0.1:9"  # discard port: nothing may be contacted to build a sender
 
 
-@pytest.mark.parametrize("transport, cls", [("http", HttpWeightSender), ("nccl", NcclWeightSender)])
+@pytest.mark.parametrize("transport, cls", [("http", HttpWeightSender), ("nccl", NcclWeightSender),
+                                             ("ipc", IpcWeightSender)])
 def test_an_explicit_transport_builds_its_sender_without_contacting_the_server(transport, cls):
     sender = make_sender(URL, transport, timeout_s=1.0, client_id="t")
     try:
@@ -39,7 +41,7 @@ def test_an_unknown_transport_is_refused_naming_the_config_key():
 
 
 def test_every_transport_keeps_the_sender_interface_and_implements_send():
-    for cls in (HttpWeightSender, NcclWeightSender):
+    for cls in (HttpWeightSender, NcclWeightSender, IpcWeightSender):
         assert not inspect.isabstract(cls), cls
         for name in ("push", "close"):
             assert callable(getattr(cls, name)), (cls, name)

@@ -200,3 +200,71 @@ def test_a_batch_over_the_token_budget_is_a_413_before_vllm_sees_it():
         asyncio.run(engine.generate(items, SamplingParams(max_tokens=8)))  # 3 + 2 + 2 x 8 = 21 > 20
     assert info.value.status == 413 and "rollout_server.max_request_tokens = 20" in str(info.value)
     assert engine.llm.started == []
+
+
+class FinalLLM:
+    """``AsyncLLM.generate`` that answers each request with one final output; records the prompts it got."""
+
+    def __init__(self):
+        self.prompts = []
+
+    async def generate(self, prompt, sp, request_id):
+        from types import SimpleNamespace
+
+        self.prompts.append(prompt)
+        yield SimpleNamespace(prompt_token_ids=prompt.get("prompt_token_ids"), outputs=[
+            SimpleNamespace(token_ids=[1, 2], text="ab", finish_reason="length", logprobs=None)])
+
+
+class CountingTok:
+    """A chat template and a whitespace tokenizer that counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "<|im_start|> " + " ".join(m["content"] for m in messages) + " <|im_end|>"
+
+    def __call__(self, text, add_special_tokens=True):
+        self.calls += 1
+        assert add_special_tokens is False, "the rendered template carries its own special tokens"
+        return {"input_ids": [len(w) for w in text.split()]}
+
+
+def test_a_text_only_chat_prompt_reaches_vllm_as_token_ids_tokenized_once_for_budget_and_engine():
+    from types import SimpleNamespace
+
+    from common.protocol import InferItem, SamplingParams
+
+    engine = _engine([], lambda: [])
+    engine.llm, engine.tokenizer, engine._vocab, engine.max_request_tokens = FinalLLM(), CountingTok(), 100, 1000
+    engine._sampling = lambda s: SimpleNamespace(logprobs=None)
+    items = [InferItem(id="chat", messages=[{"role": "user", "content": "find the boats"}]),
+             InferItem(id="ids", prompt_token_ids=[5, 6])]
+    outs = asyncio.run(engine.generate(items, SamplingParams(max_tokens=8)))
+    assert engine.llm.prompts == [{"prompt_token_ids": [12, 4, 3, 5, 10]}, {"prompt_token_ids": [5, 6]}]
+    assert engine.tokenizer.calls == 1  # the budget counted the same ids vLLM got: no second tokenization
+    assert [o.id for o in outs] == ["chat", "ids"] and outs[0].prompt_token_ids == [12, 4, 3, 5, 10]
+    one = asyncio.run(engine.generate(items[1:], SamplingParams(max_tokens=8)))  # the one-item path
+    assert [(o.id, o.token_ids) for o in one] == [("ids", [1, 2])]
+
+
+def test_cancelling_a_one_item_generate_aborts_its_request_on_the_engine():
+    from types import SimpleNamespace
+
+    from common.protocol import InferItem, SamplingParams
+
+    engine = _engine([], lambda: [])
+    engine.llm, engine.tokenizer, engine._vocab, engine.max_request_tokens = StreamingLLM(), None, 100, None
+    engine._sampling = lambda s: SimpleNamespace(logprobs=None)
+
+    async def client_goes_away():
+        task = asyncio.ensure_future(engine.generate([InferItem(prompt_token_ids=[1, 2])], SamplingParams(max_tokens=8)))
+        while not engine.llm.started:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return task
+
+    assert asyncio.run(client_goes_away()).cancelled()
+    assert engine.llm.aborted == engine.llm.started and len(engine.llm.started) == 1

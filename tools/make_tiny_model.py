@@ -108,6 +108,9 @@ PRESETS: dict[str, dict] = {
         # the same 3000 warm-start steps (docs/warm_start.md).
         rope_theta=10.0,
     ),
+    # ~312 MB of float32 weights on the tiny vision tower: the HTTP weight-sync benchmark (bench/bench_http_sync.py)
+    "sync-300mb": dict(text=_text(1024, 5, 8, 2, 4096), vision=dict(depth=2, hidden_size=64, intermediate_size=128,
+                       num_heads=4, window_size=56, fullatt_block_indexes=[1]), tie=True, dtype="float32"),
     "0.5b": dict(text=_text(896, 24, 14, 2, 4864), vision=_VISION_REAL, tie=True, dtype="bfloat16"),
     "1.5b": dict(text=_text(1536, 28, 12, 2, 8960), vision=_VISION_REAL, tie=True, dtype="bfloat16"),
     "3b": dict(text=_text(2048, 36, 16, 2, 11008), vision=_VISION_REAL, tie=True, dtype="bfloat16"),  # Qwen2.5-VL-3B

@@ -79,6 +79,7 @@ class HFGenerator:
         # A clean generation config: the checkpoint's own defaults (repetition_penalty, top_k, ...)
         # must not leak into a request; transformers fills unset fields from model.generation_config.
         self._clean_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id)
+        self._clean_no_eos = GenerationConfig(pad_token_id=self.pad_id)  # sampling.ignore_eos
 
     # ------------------------------------------------------------------ encoding
 
@@ -244,11 +245,13 @@ class HFGenerator:
 
         sampler = VLLMSampler(sampling, pads, len(rows), self.device)
         stopper = StopOnStrings(self.tokenizer, sampling.stop, width, cancel)
+        stop_ids = [] if sampling.ignore_eos else self.stop_token_ids
         gen_config = GenerationConfig(
             max_new_tokens=sampling.max_tokens, do_sample=False, num_beams=1, use_cache=True, repetition_penalty=1.0,
-            eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
+            eos_token_id=stop_ids or None, pad_token_id=self.pad_id,
         )
-        saved, self.model.generation_config = self.model.generation_config, self._clean_config
+        clean = self._clean_config if stop_ids else self._clean_no_eos
+        saved, self.model.generation_config = self.model.generation_config, clean
         try:
             seqs = self.model.generate(
                 **inputs, generation_config=gen_config,
@@ -267,7 +270,7 @@ class HFGenerator:
             raise RuntimeError(f"the sampler ran {len(logprobs[0])} steps for {len(new[0])} generated tokens: "
                                "transformers generate called its logits processors an unexpected number of times")
         return [
-            finish_row(self.tokenizer, r.input_ids, toks, self.stop_token_ids, sampling, self.pad_id,
+            finish_row(self.tokenizer, r.input_ids, toks, stop_ids, sampling, self.pad_id,
                        logprobs=None if logprobs is None else logprobs[i])
             for i, (r, toks) in enumerate(zip(rows, new))
         ]

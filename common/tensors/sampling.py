@@ -12,8 +12,8 @@ whole decision per row and returns scores whose argmax is the chosen token:
        drop while cumulative mass <= 1 - p, always keep the top token) -> one multinomial draw from
        this row's own torch.Generator
 
-Stop: the turn-end / eos ids (kept as the last token), ``stop`` strings (the text is cut before
-the string, the token that completed it is the last token), or ``max_tokens`` (``length``).
+Stop: the turn-end / eos ids (kept as the last token; not with ``ignore_eos``), ``stop`` strings (the
+text is cut before the string, the token that completed it is the last token), or ``max_tokens`` (``length``).
 
 Logprobs (``sampling.logprobs``): the sampler also records, each step, log_softmax of the scores it
 was handed (the model's raw logits: the clean generation config adds no processor before it) at the

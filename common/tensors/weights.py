@@ -1,31 +1,23 @@
-"""Weight tensors on both ends of a sync: names, manifest, fingerprint, exact digest, safetensors buckets.
+"""Weight tensors on both ends of a sync: names, manifest, fingerprint, exact digest, the packing rule.
 
 Imported by the learner-side sender (:mod:`learner.sync.http`) and by the engines, so the
-two sides compute names and fingerprints with the same code. Imports torch and safetensors only
+two sides compute names and fingerprints with the same code. Imports torch only
 (no fastapi, no transformers): the learner can use it without the server's dependencies.
 
-A bucket on the wire is one safetensors blob (the ``POST /sync/bucket`` body) plus a JSON
-:class:`common.protocol.SyncBucketHeader` (the ``X-Tandem-Bucket`` header) that repeats its layout,
-so the server can check the declaration against the bytes before staging anything. No pickle.
+Buckets on the wire (tensors packed end to end, the layout as JSON beside them) are
+:mod:`common.tensors.packed`; this module gives the packing rule (:func:`packed_chunks`,
+:func:`packed_offsets`) every transport shares. No pickle anywhere.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 import time
 from collections.abc import Iterable, Iterator
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from common.protocol import SYNC_DTYPE_BYTES, TensorSpec
-
-#: safetensors dtype codes <-> torch dtype names used by the protocol.
-_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
-              "I64": "int64", "I32": "int32", "U8": "uint8"}
 
 #: Elements sampled per tensor by :func:`fingerprint` (evenly spaced, first and last included).
 FINGERPRINT_SAMPLES = 4096
@@ -205,50 +197,6 @@ def _flat_chunks(t: torch.Tensor, n: int, start: int = 0) -> Iterator[tuple[int,
         else:
             for a in range(t.shape[0]):
                 yield from _flat_chunks(t[a], n, start + a * row)
-
-
-def encode_bucket(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, str, list[int], tuple[int, int]]]]:
-    """One safetensors blob and its layout ``[(name, dtype, shape, (begin, end))]`` (data offsets).
-
-    Tensors must already be CPU, contiguous, in their serving dtype, and not share storage.
-    """
-    blob = st_save(tensors)
-    return blob, bucket_layout(blob)
-
-
-def bucket_layout(blob: bytes) -> list[tuple[str, str, list[int], tuple[int, int]]]:
-    """The layout a safetensors blob declares in its own header; ValueError if it is not one."""
-    if len(blob) < 8:
-        raise ValueError(f"body of {len(blob)} bytes is not a safetensors blob (needs an 8-byte header length)")
-    (n,) = struct.unpack("<Q", blob[:8])
-    if n > len(blob) - 8:
-        raise ValueError(f"safetensors header claims {n} bytes, body has {len(blob) - 8}")
-    try:
-        header = json.loads(blob[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"safetensors header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise ValueError("safetensors header is not a JSON object")
-    layout = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _ST_DTYPES[entry["dtype"]]
-            begin, end = entry["data_offsets"]
-            layout.append((name, dtype, list(entry["shape"]), (int(begin), int(end))))
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"safetensors entry {name!r} has an unsupported dtype or malformed layout: {entry!r}") from None
-    layout.sort(key=lambda e: e[3][0])
-    return layout
-
-
-def decode_bucket(blob: bytes) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors blob (copies owned by the caller); ValueError if malformed."""
-    try:
-        return st_load(blob)
-    except Exception as exc:  # safetensors raises its own SafetensorError type
-        raise ValueError(f"body is not a readable safetensors blob: {exc}") from None
 
 
 def iter_buckets(

@@ -97,6 +97,11 @@ class Engine(abc.ABC):
         """Backend of the weight-transfer group this engine joins for ``transport: nccl``."""
         return "nccl"
 
+    async def receive_ipc(self, req: Any) -> int:
+        """``/sync/ipc`` (an engine listing ``ipc`` in ``transports``): copy one bucket out of the learner's
+        shared buffer (``req.source``, :func:`common.tensors.shared.open_shared`) before returning; bytes."""
+        raise WeightUpdateError(f"the {self.name} engine does not take transport 'ipc'")
+
     # ---------------------------------------------------------------- lifecycle
 
     @abc.abstractmethod

@@ -27,9 +27,11 @@ import torch
 
 from common.protocol import InferItem, InferOutput, SamplingParams
 from common.processor import load_processor
+from common.tensors import packed as P
 from common.tensors import weights as W
 from common.tensors.generate import HFGenerator
 from common.tensors.sampling import CancelledGeneration
+from common.tensors.shared import gpu_uuid, open_shared
 from rollout_server.engines.base import Engine, WeightUpdateError, check_token_budget
 
 log = logging.getLogger(__name__)
@@ -188,7 +190,19 @@ class HFEngine(Engine):
 
     #: ``nccl``: the collective transport, over NCCL on a GPU and over gloo on CPU (the learner's sender
     #: does the same with CPU tensors), so the whole protocol runs on machines without GPUs.
-    transports = ("http", "nccl")
+    transports = ("http", "nccl", "ipc")
+
+    async def receive_ipc(self, req: Any) -> int:
+        """``/sync/ipc``: copy the bucket out of the learner's shared buffer and stage the copies (the learner
+        reuses its buffer for the next bucket; the swap waits for commit, as for HTTP buckets)."""
+        assert self.gen is not None, "engine not started"
+        device = self.gen.device if self.gen.device.type == "cuda" else None
+        with open_shared(req.source, device) as src:
+            views = P.unpack(src[:req.offsets[-1][1]], req.names, req.dtypes, req.shapes, req.offsets)
+            copies = {n: t.clone() for n, t in views.items()}
+            if device is not None:
+                torch.cuda.synchronize(device)  # the copies are done before the learner may refill its buffer
+        return await self.stage_bucket(copies)
 
     def collective_backend(self) -> str:
         return "nccl" if self.gen is not None and self.gen.device.type == "cuda" else "gloo"
@@ -278,5 +292,7 @@ class HFEngine(Engine):
     def health_info(self) -> dict[str, Any]:
         if self.gen is None:
             return {}
+        cuda = self.gen.device.type == "cuda"
         return {"device": str(self.gen.device), "dtype": self.serving_dtype(), "n_tensors": len(self._manifest),
-                "n_params": sum(p.numel() for p in self._params.values())}
+                "n_params": sum(p.numel() for p in self._params.values()),
+                "gpu_uuids": [gpu_uuid(self.gen.device)] if cuda else []}

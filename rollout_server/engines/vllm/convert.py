@@ -3,7 +3,8 @@
 * Sampling (:func:`sampling_kwargs`, the fields of ``vllm.SamplingParams`` but ``output_kind``): every
   field passed explicitly, because vLLM's defaults differ from ours (``max_tokens`` 16): ``top_k <= 0``
   becomes -1 (off in every supported release), stops are the chat template's turn end and eos
-  (:func:`stop_token_ids`; kept as the last token, as the hf engine does) plus the request's strings;
+  (:func:`stop_token_ids`; kept as the last token, as the hf engine does) plus the request's strings
+  (``ignore_eos``: no stop ids, and vLLM's own ``ignore_eos`` so the checkpoint's eos ids do not stop either);
   ``logprobs=True`` becomes ``logprobs=0`` (the sampled token only), read back by :func:`sampled_logprobs`.
 * Prompts (:func:`vllm_prompt`): chat prompts are rendered with the checkpoint's chat template and
   sent as text plus PIL images, so vLLM expands the image placeholders itself; token-id prompts carry
@@ -39,8 +40,9 @@ def sampling_kwargs(s: SamplingParams, stop_ids: list[int]) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one request's items, all but ``output_kind``."""
     return dict(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
                 min_p=0.0, max_tokens=s.max_tokens, min_tokens=0, seed=s.seed, stop=list(s.stop),
-                stop_token_ids=stop_ids, ignore_eos=False, repetition_penalty=s.repetition_penalty,
-                presence_penalty=0.0, frequency_penalty=0.0, skip_special_tokens=False,
+                stop_token_ids=[] if s.ignore_eos else stop_ids, ignore_eos=s.ignore_eos,
+                repetition_penalty=s.repetition_penalty, presence_penalty=0.0, frequency_penalty=0.0,
+                skip_special_tokens=False,
                 spaces_between_special_tokens=False, logprobs=0 if s.logprobs else None)
 
 

@@ -13,12 +13,13 @@ Mapping onto vLLM:
   returns are the raw model's, like the hf engine's, so a detection's score does not depend on the
   temperature or penalty it was decoded with), native weight transfer configured (``backend=nccl``).
 * ``generate``: one ``AsyncLLM.generate`` per item (vLLM batches them continuously) with
-  ``output_kind=FINAL_ONLY``; cancelling our task (a fence in abort mode, a client that disconnected)
-  aborts every request id of the batch (``AsyncLLM.abort``; vLLM also aborts a request whose consumer
-  is cancelled, the explicit call does not depend on it). A prompt vLLM refuses (too long, id outside
-  the vocabulary) is an EngineInputError (400); a batch over ``rollout_server.max_request_tokens`` a 413
-  (text prompts counted by the tokenizer, image placeholders as one token: vLLM expands them later and
-  checks ``max_model_len`` itself). How items, sampling
+  ``output_kind=FINAL_ONLY`` (one yield per request; the per-token detokenizing is vLLM's output
+  processor, as in ``vllm serve``); text-only chat prompts go as token ids, tokenized once, here.
+  Cancelling our task (a fence in abort mode, a client that disconnected) aborts every request id of
+  the batch (``AsyncLLM.abort``; vLLM also aborts a request whose consumer is cancelled, the explicit
+  call does not depend on it). A prompt vLLM refuses (too long, id outside the vocabulary) is an
+  EngineInputError (400); a batch over ``rollout_server.max_request_tokens`` a 413 (image placeholders
+  count as one token: vLLM expands them later and checks ``max_model_len`` itself). How items, sampling
   and outputs translate to vLLM's (every sampling field explicit, chat prompts as text plus PIL
   images, logprobs of the sampled token) is :mod:`rollout_server.engines.vllm.convert`.
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
@@ -66,6 +67,7 @@ from common.protocol import InferItem, InferOutput, SamplingParams, SyncBucketHe
 from rollout_server.engines.base import (Engine, EngineInputError, EngineUnavailable, WeightUpdateError,
                                          check_token_budget)
 from rollout_server.engines.vllm.convert import infer_output, sampling_kwargs, stop_token_ids, vllm_prompt
+from rollout_server.engines.vllm.ipc import IpcReceiver
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +87,13 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(IpcReceiver, Engine):
     """AsyncLLM in this process's event loop (created in the app lifespan, as AsyncLLM requires)."""
 
     name = "vllm"
-    transports = ("nccl", "http")
-    #: NCCL updates load into the served model as chunks arrive (vLLM layerwise reload): a sync that
-    #: fails after its update started cannot keep the old weights (rollout_server.sync marks an error).
+    transports = ("nccl", "http", "ipc")
+    #: NCCL and IPC updates load into the served model as chunks arrive: a sync that fails after its
+    #: update started cannot keep the old weights (rollout_server.sync marks an error).
     updates_in_place = True
 
     def __init__(self, model_path: str, srv: Any) -> None:
@@ -114,6 +116,7 @@ class VLLMEngine(Engine):
         self._group_key: tuple | None = None
         self._bucket_bytes = 512 << 20
         self._fingerprint = "unknown"
+        self._gpu_uuids: list[str] = []
         self._stop_ids: list[int] = []
         self._vocab = 0
         self._dp = max(1, len(srv.gpus or []) // max(1, srv.tensor_parallel_size))
@@ -148,6 +151,7 @@ class VLLMEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._stop_ids = stop_token_ids(self.tokenizer)
         self._set_manifest(*await asyncio.to_thread(self._meta_manifest))
+        await self._read_gpu_uuids()
         log.info("vllm engine ready: %s, tp %d, %s, %d tensors, load_format %s", self.model_path,
                  srv.tensor_parallel_size, self._dtype, len(self._manifest), srv.load_format)
 
@@ -196,13 +200,24 @@ class VLLMEngine(Engine):
             raise RuntimeError("vLLM returned no output")
         return infer_output(final, item_id, with_logprobs=sp.logprobs is not None)
 
+    def _tokenized(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """A text-only chat prompt as its token ids, tokenized once, here: the token budget needs the count,
+        and vLLM would tokenize the same text again on this event loop. The rendered template carries its
+        own special tokens, so none are added (as the hf engine and ``vllm serve``'s chat route do). A
+        prompt with images stays text: vLLM expands its image placeholders itself."""
+        if "prompt" not in prompt or "multi_modal_data" in prompt:
+            return prompt
+        return {"prompt_token_ids": list(self.tokenizer(prompt["prompt"], add_special_tokens=False)["input_ids"])}
+
     async def generate(self, items: Sequence[InferItem], sampling: SamplingParams) -> list[InferOutput]:
-        prompts = [vllm_prompt(it, i, self.tokenizer, self._vocab) for i, it in enumerate(items)]
+        prompts = [self._tokenized(vllm_prompt(it, i, self.tokenizer, self._vocab)) for i, it in enumerate(items)]
         if self.max_request_tokens is not None:
             check_token_budget([len(p["prompt_token_ids"]) if "prompt_token_ids" in p else
                                 len(self.tokenizer(p["prompt"], add_special_tokens=False)["input_ids"])
                                 for p in prompts], sampling.max_tokens, self.max_request_tokens)
         sp = self._sampling(sampling)
+        if len(prompts) == 1:  # every /v1/completions call: no task and gather around the one request
+            return [await self._one(prompts[0], sp, items[0].id, 0)]  # a cancel reaches _one, which aborts
         tasks = [asyncio.ensure_future(self._one(p, sp, it.id, i)) for i, (p, it) in enumerate(zip(prompts, items))]
         try:
             return list(await asyncio.gather(*tasks))
@@ -422,7 +437,7 @@ class VLLMEngine(Engine):
     def health_info(self) -> dict[str, Any]:
         load = self._load_mode if self._fast_refused is None else f"native (fast refused: {self._fast_refused})"
         return {"tensor_parallel_size": self.srv.tensor_parallel_size, "data_parallel_size": self._dp,
-                "dtype": self._dtype, "weight_load": load}
+                "dtype": self._dtype, "weight_load": load, "gpu_uuids": self._gpu_uuids}
 
 
 __all__ = ["VLLMEngine", "vllm_available", "INSTALL_FIX"]

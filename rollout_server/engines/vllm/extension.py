@@ -33,9 +33,12 @@ from typing import Any
 
 import torch
 
+from common.protocol import SharedBuffer
 from common.tensors import weights as W
+from common.tensors.shared import gpu_uuid, open_shared
 from rollout_server.engines.vllm.fast_loader import NUM_BUFFERS, FastLoader
-from rollout_server.engines.vllm.load_plan import PlanError, chunk_layouts, layout_key, stream_key
+from rollout_server.engines.vllm.load_plan import (ChunkLayout, PlanError, chunk_layouts, chunk_views, layout_key,
+                                                   stream_key)
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,22 @@ class TandemWorkerExtension:
         log.warning("fast weight load: no plan for this sync (%s); receiving through the model's loaders",
                     info["reason"])
         return {"path": "direct", "reason": info["reason"], **loader.receive_direct(layouts, broadcast, deadline)}
+
+    def tandem_gpu_uuid(self) -> str:
+        """This worker's GPU UUID (the engine reports them; ``transport: ipc`` needs the learner's to match)."""
+        return gpu_uuid(self.device)  # type: ignore[attr-defined]
+
+    def tandem_load_shared(self, layout: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+        """One ``ipc`` bucket (:mod:`rollout_server.engines.vllm.ipc`): open the learner's buffer on this GPU and
+        run the model's own loaders on views of it (in place; no plan: each bucket is loaded once per sync)."""
+        t0 = time.perf_counter()
+        chunk = ChunkLayout(tuple(layout["names"]), tuple(layout["dtypes"]),
+                            tuple(tuple(int(d) for d in s) for s in layout["shapes"]),
+                            tuple((int(b), int(e)) for b, e in layout["offsets"]))
+        with open_shared(SharedBuffer.model_validate(source), self.device) as buf, torch.no_grad():  # type: ignore[attr-defined]
+            self._tandem_model().load_weights(chunk_views(buf[:chunk.nbytes], chunk))
+            torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]  # read before the learner refills it
+        return {"worker_s": time.perf_counter() - t0}
 
     def tandem_digest(self) -> str:
         """Exact digest of this worker's served parameters (TP shards differ between workers)."""

@@ -1,0 +1,237 @@
+"""Will the learner fit beside a vLLM rollout server on the GPU they share? Asked by launcher/plan.py before any start.
+
+A learner that does not fit would otherwise be an out-of-memory error minutes in: after the server
+compiled and captured its CUDA graphs, when the learner's first backward or AdamW step allocates.
+
+When: only where the learner and a vLLM server share a GPU, i.e. ``learner.gpus`` overlaps
+``rollout_server.gpus`` (``learner.share_gpus_with_server: true``; otherwise the plan refuses the
+overlap). ``learner.gpus: null`` is not sharing: the launcher then hides every GPU from the learner
+(``CUDA_VISIBLE_DEVICES=""``, launcher/plan.py), so it trains on the CPU. An hf server has no configured
+share (its weights plus generate's cache), so it is not checked.
+
+The estimate for one learner rank, in bytes (P parameters, counted from the safetensors headers of
+``model.path``; shapes from its ``config.json``; b bytes per element of ``model.dtype``, ``auto`` = bf16)::
+
+    weights, gradients, AdamW   4 P b      the learner trains in model.dtype, no fp32 master copy; AdamW's
+                                           exp_avg and exp_avg_sq are in the parameter dtype (learner/model.py)
+    DDP buckets                 P b        more than one rank: DDP's gradient buckets
+    overlap snapshot            P b        sync_mode overlap: one more copy of the weights (learner/sync/overlap.py)
+    sync chunk                  bucket_mb  transports other than http pack chunks on the GPU
+    activations                 one packed forward of T = packing_length tokens (one pack per micro-step):
+      text layers     T L (b (10 h + 4 i) + 16 h)    what a decoder layer keeps for backward, RMSNorm's fp32
+                                                     copies included; gradient checkpointing: T L b h + one layer
+      vision layers   the same per patch, for IMAGE_TOKEN_SHARE of T as image tokens (merge² patches each)
+      logits          T V (b + 8)                    logits, their fp32 copy and its gradient: an upper bound
+                                                     (only the supervised rows are projected)
+    fixed                       1.5 GiB    CUDA context, cuBLAS workspaces, allocator slack (FIXED_BYTES)
+
+The server's share is ``gpu_memory_utilization`` × total (vLLM keeps its weights, activations, KV cache
+and, since 0.21, its CUDA graphs inside it) plus, for transports other than http with ``weight_load:
+fast``, the fast load's two receive buffers of ~``bucket_mb`` outside it (docs/gpu.md).
+
+Example (configs/gpu/one_gpu.yaml): the 0.5b preset (1.02 B parameters with its 32-layer vision tower) in bf16,
+overlap sync, 2048-token packs, no checkpointing: 9.5 GiB of weights, gradients, AdamW and snapshot + 7.8 GiB of
+activations + 0.5 GiB sync chunk + 1.5 GiB = 19.3 GiB; an 80 GB H100 (79.6 GiB) at ``gpu_memory_utilization: 0.3``
+leaves it 54.8 GiB. A 28 GiB GPU is refused, naming ``gpu_memory_utilization ≤ 0.27`` as one way out; on 24 GiB
+no share leaves room for both the learner and the server's weights (the learner must shrink).
+
+What this module does not know: torch or CUDA (it reads JSON and safetensors headers; the one GPU query is
+``nvidia-smi``), or what else runs on the GPU: only the server's configured share is subtracted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import Config
+
+log = logging.getLogger("tandem.launcher")
+
+GIB = 1 << 30
+FIXED_BYTES = 3 * GIB // 2
+SERVER_FLOOR_BYTES = 2 * GIB  # a vLLM share below its weights + this (activations, CUDA graphs, a little KV cache) is no use
+IMAGE_TOKEN_SHARE = 0.25  # detection samples: a 448 px image is 256 tokens beside a few hundred answer tokens
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto = bf16 on CUDA (learner/model.py)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a model directory (no weights loaded)."""
+
+    num_params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    vision_layers: int = 0
+    vision_hidden: int = 0
+    vision_intermediate: int = 0
+    merge: int = 2
+
+
+def safetensors_param_count(model_dir: Path) -> int:
+    """Elements of every tensor in ``model_dir/*.safetensors``, read from the headers only (tied weights are stored
+    once, as ``parameters()`` counts them)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    total = 0
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def model_shape(model_dir: str | Path) -> ModelShape:
+    """Parameter count and layer shapes of a transformers model directory (Qwen2/2.5-VL or a plain decoder)."""
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    vis = cfg.get("vision_config") or {}
+    hidden = int(text["hidden_size"])
+    v_hidden = int(vis.get("hidden_size") or vis.get("embed_dim") or 0)
+    return ModelShape(
+        num_params=safetensors_param_count(model_dir), layers=int(text["num_hidden_layers"]), hidden=hidden,
+        intermediate=int(text.get("intermediate_size") or 4 * hidden), vocab=int(text["vocab_size"]),
+        vision_layers=int(vis.get("depth") or 0) if v_hidden else 0, vision_hidden=v_hidden,
+        vision_intermediate=int(vis.get("intermediate_size") or v_hidden * vis.get("mlp_ratio", 4)),
+        merge=int(vis.get("spatial_merge_size") or 2))
+
+
+def _layer_bytes(hidden: int, intermediate: int, b: int) -> int:
+    """Bytes one decoder/ViT layer keeps per token for backward (module docstring)."""
+    return b * (10 * hidden + 4 * intermediate) + 16 * hidden
+
+
+def _stack_bytes(tokens: float, layers: int, hidden: int, intermediate: int, b: int, checkpointing: bool) -> float:
+    if not layers:
+        return 0.0
+    per_layer = _layer_bytes(hidden, intermediate, b)
+    return tokens * (layers * b * hidden + per_layer if checkpointing else layers * per_layer)
+
+
+def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
+    """The learner rank's estimated GPU memory, term by term (bytes)."""
+    b, t = DTYPE_BYTES[cfg.model.dtype], cfg.training
+    tokens, ckpt = t.global_max_length, t.gradient_checkpointing
+    patches = tokens * IMAGE_TOKEN_SHARE * shape.merge ** 2
+    p = shape.num_params
+    terms = {"weights": p * b, "gradients": p * b, "AdamW state": 2 * p * b}
+    if cfg.learner.nproc_per_node > 1:
+        terms["DDP buckets"] = p * b
+    if cfg.stage2_ab.channel_b.async_.sync_mode == "overlap":
+        terms["overlap snapshot"] = p * b
+    if cfg.rollout_matching.vllm.sync.transport != "http":
+        terms["sync chunk"] = cfg.rollout_matching.vllm.sync.bucket_mb << 20
+    terms["activations"] = int(_stack_bytes(tokens, shape.layers, shape.hidden, shape.intermediate, b, ckpt)
+                               + _stack_bytes(patches, shape.vision_layers, shape.vision_hidden,
+                                              shape.vision_intermediate, b, ckpt)
+                               + tokens * shape.vocab * (b + 8))
+    terms["fixed"] = FIXED_BYTES
+    return terms
+
+
+def server_share(cfg: Config, total: int) -> int:
+    """Bytes of the shared GPU the vLLM server holds: its gpu_memory_utilization share + fast-load buffers."""
+    srv, sync = cfg.rollout_server, cfg.rollout_matching.vllm.sync
+    buffers = 2 * (sync.bucket_mb << 20) if srv.weight_load == "fast" and sync.transport != "http" else 0
+    return int(srv.gpu_memory_utilization * total) + buffers
+
+
+def shared_gpus(cfg: Config) -> list[int]:
+    """GPU ids the learner and a vLLM server both use under the launcher (empty: nothing to check)."""
+    srv, lrn = cfg.rollout_server, cfg.learner
+    if srv.engine != "vllm" or not srv.gpus or not lrn.gpus:
+        return []
+    return sorted(set(srv.gpus) & set(lrn.gpus))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def refusal(cfg: Config, shape: ModelShape, total: int, gpus: list[int]) -> str | None:
+    """None when the learner fits beside the server on a GPU of ``total`` bytes; else the message naming the fixes."""
+    need = learner_need(cfg, shape)
+    needed, server = sum(need.values()), server_share(cfg, total)
+    if needed <= total - server:
+        return None
+    srv, t = cfg.rollout_server, cfg.training
+    extra = server - int(srv.gpu_memory_utilization * total)
+    max_util = math.floor((total - extra - needed) / total * 100) / 100
+    floor = shape.num_params * DTYPE_BYTES[srv.dtype] + SERVER_FLOOR_BYTES
+    util_fix = (f"≤ {max_util:.2f} leaves the learner room by this estimate (a smaller KV cache)"
+                if max_util * total >= floor else f"no share leaves room for both the learner and the server's weights "
+                f"+ {_gib(SERVER_FLOOR_BYTES)} ({_gib(floor)}): shrink the learner (below)")
+    states = " + ".join(f"{k} {_gib(v)}" for k, v in need.items() if k not in ("activations", "sync chunk", "fixed"))
+    sync = f"; sync chunk {_gib(need['sync chunk'])}" if "sync chunk" in need else ""
+    lines = [
+        f"the learner does not fit beside the rollout server on shared GPU {gpus} ({_gib(total)}; launcher/gpu_budget.py):",
+        f"  server: {_gib(server)} = rollout_server.gpu_memory_utilization {srv.gpu_memory_utilization} × {_gib(total)}"
+        + (f" + {_gib(extra)} of fast-load receive buffers" if extra else "") + f", leaving {_gib(total - server)}",
+        f"  learner: about {_gib(needed)} = {shape.num_params / 1e9:.2f} B parameters of {cfg.model.path} in "
+        f"{cfg.model.dtype}: {states}; activations {_gib(need['activations'])} for one packed forward of "
+        f"{t.global_max_length} tokens{sync}; {_gib(need['fixed'])} fixed",
+        "Change one of:",
+        f"  rollout_server.gpu_memory_utilization: now {srv.gpu_memory_utilization}; {util_fix}",
+        f"  training.global_max_length: now {t.global_max_length} tokens per packed forward, what the activations scale "
+        f"with (training.per_device_train_batch_size, now {t.per_device_train_batch_size}, only fills A packs up to it)",
+    ]
+    if not t.gradient_checkpointing:
+        lines.append("  training.gradient_checkpointing: true (keeps one activation per layer, recomputes the rest)")
+    if "overlap snapshot" in need:
+        lines.append("  stage2_ab.channel_b.async.sync_mode: blocking (no snapshot copy of the weights)")
+    lines.append("  model.path: a smaller model (a smaller tools/make_tiny_model.py --preset), or give the learner "
+                 "its own GPU (learner.gpus disjoint from rollout_server.gpus)")
+    return "\n".join(lines)
+
+
+def parse_nvidia_smi(text: str) -> dict[int, int]:
+    """``index, memory.total`` CSV lines (MiB, no units) -> {GPU id: total bytes}."""
+    totals = {}
+    for line in text.strip().splitlines():
+        index, mib = (s.strip() for s in line.split(","))
+        totals[int(index)] = int(float(mib)) << 20
+    return totals
+
+
+def gpu_total_bytes(gpu: int) -> int | None:
+    """Total memory of GPU ``gpu`` (an id as in rollout_server.gpus), or None where nvidia-smi cannot say.
+
+    nvidia-smi rather than torch: the launcher must not hold a CUDA context on the GPU it hands to the others."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return parse_nvidia_smi(out).get(gpu)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def shared_gpu_refusal(cfg: Config) -> str | None:
+    """Why the learner cannot fit beside the server on a GPU they share (launcher/plan.py raises it), or None: it
+    fits, nothing is shared, or the check cannot be made (no nvidia-smi, no model directory yet: logged)."""
+    gpus = shared_gpus(cfg)
+    if not gpus:
+        return None
+    totals = [gpu_total_bytes(g) for g in gpus]
+    if None in totals:
+        log.warning("GPU memory check skipped: nvidia-smi did not report the memory of GPU(s) %s", gpus)
+        return None
+    try:
+        shape = model_shape(cfg.model.path)
+    except (OSError, KeyError, ValueError, struct.error) as exc:
+        log.warning("GPU memory check skipped: cannot read the shape of model.path %s (%s)", cfg.model.path, exc)
+        return None
+    total = min(totals)
+    if (why := refusal(cfg, shape, total, gpus)) is None:
+        log.info("GPU memory check: learner ~%.1f GiB beside the server's %.1f GiB of %.1f GiB on GPU %s",
+                 sum(learner_need(cfg, shape).values()) / GIB, server_share(cfg, total) / GIB, total / GIB, gpus)
+    return why

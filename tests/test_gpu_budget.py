@@ -1,0 +1,165 @@
+"""The launcher's memory check for a GPU shared by the learner and a vLLM server (launcher/gpu_budget.py), on CPU.
+
+Totals are passed in (or the nvidia-smi wrapper is replaced), and model directories hold a config.json and
+safetensors headers only: the check never reads a weight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from pathlib import Path
+
+import pytest
+
+from common.config import load_config
+from launcher import gpu_budget as G
+from launcher.plan import PlanError, build_plan
+
+REPO = Path(__file__).resolve().parents[1]
+ONE_GPU = REPO / "configs/gpu/one_gpu.yaml"
+H100 = 81559 << 20  # nvidia-smi's memory.total of an 80 GB H100, in bytes
+GIB = 1 << 30
+# The 0.5b preset of tools/make_tiny_model.py (counted on the meta device: 1,022,518,016 parameters).
+PRESET_05B = G.ModelShape(num_params=1_022_518_016, layers=24, hidden=896, intermediate=4864, vocab=2048,
+                          vision_layers=32, vision_hidden=1280, vision_intermediate=3420, merge=2)
+
+
+def write_headers_only(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A safetensors file's header (8-byte little-endian length + JSON) with no tensor bytes after it."""
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         **{k: {"dtype": "BF16", "shape": s, "data_offsets": [0, 0]} for k, s in shapes.items()}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+
+
+def model_dir_05b(root: Path) -> Path:
+    """A Qwen2.5-VL config.json of the 0.5b preset's shapes and one header claiming its parameter count."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "text_config": {"hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864, "vocab_size": 2048},
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "spatial_merge_size": 2},
+    }))
+    write_headers_only(root / "model.safetensors", {"all": [PRESET_05B.num_params]})
+    return root
+
+
+def test_the_shape_comes_from_config_json_and_the_safetensors_headers_of_every_shard(tmp_path):
+    d = tmp_path / "m"
+    model_dir_05b(d)
+    (d / "model.safetensors").unlink()
+    write_headers_only(d / "model-00001-of-00002.safetensors", {"a": [1000, 896], "b": [7]})
+    write_headers_only(d / "model-00002-of-00002.safetensors", {"c": [3, 4, 5]})
+    shape = G.model_shape(d)
+    assert shape.num_params == 1000 * 896 + 7 + 60
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (24, 896, 4864, 2048)
+    assert (shape.vision_layers, shape.vision_hidden, shape.vision_intermediate, shape.merge) == (32, 1280, 3420, 2)
+
+
+def test_the_header_reader_counts_what_the_safetensors_writer_wrote(tmp_path):
+    np = pytest.importorskip("numpy")
+    save_file = pytest.importorskip("safetensors.numpy").save_file
+    save_file({"w": np.zeros((3, 5), np.float32), "b": np.zeros(5, np.float16)}, str(tmp_path / "model.safetensors"))
+    assert G.safetensors_param_count(tmp_path) == 20
+
+
+def test_a_text_only_config_with_top_level_keys_has_no_vision_term(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}))
+    write_headers_only(tmp_path / "model.safetensors", {"x": [10]})
+    shape = G.model_shape(tmp_path)
+    assert (shape.intermediate, shape.vision_layers, shape.num_params) == (256, 0, 10)
+
+
+def test_bf16_training_state_is_eight_bytes_a_parameter_plus_two_for_the_overlap_snapshot():
+    blocking = load_config(ONE_GPU, ["stage2_ab.channel_b.async.sync_mode=blocking"])
+    need = G.learner_need(blocking, PRESET_05B)
+    p = PRESET_05B.num_params
+    assert need["weights"] + need["gradients"] + need["AdamW state"] == 8 * p and "overlap snapshot" not in need
+    assert G.learner_need(load_config(ONE_GPU), PRESET_05B)["overlap snapshot"] == 2 * p
+    fp32 = G.learner_need(load_config(ONE_GPU, ["model.dtype=float32"]), PRESET_05B)
+    assert fp32["weights"] + fp32["gradients"] + fp32["AdamW state"] == 16 * p
+
+
+def test_checkpointing_and_shorter_packs_shrink_the_activation_term():
+    full = G.learner_need(load_config(ONE_GPU), PRESET_05B)["activations"]
+    ckpt = G.learner_need(load_config(ONE_GPU, ["training.gradient_checkpointing=true"]), PRESET_05B)["activations"]
+    half = G.learner_need(load_config(ONE_GPU, ["training.global_max_length=1024"]), PRESET_05B)["activations"]
+    assert ckpt < full / 4 and half == pytest.approx(full / 2, rel=0.01)
+
+
+def test_http_sync_needs_no_gpu_chunk_on_the_learner_nor_fast_load_buffers_on_the_server():
+    auto = load_config(ONE_GPU)
+    http = load_config(ONE_GPU, ["rollout_matching.vllm.sync.transport=http"])
+    assert G.server_share(auto, H100) - G.server_share(http, H100) == 2 * 512 << 20
+    assert G.server_share(http, H100) == int(0.3 * H100)
+    assert "sync chunk" in G.learner_need(auto, PRESET_05B) and "sync chunk" not in G.learner_need(http, PRESET_05B)
+
+
+def test_only_a_gpu_the_learner_shares_with_a_vllm_server_is_checked():
+    assert G.shared_gpus(load_config(ONE_GPU)) == [0]
+    assert G.shared_gpus(load_config(REPO / "configs/gpu/split_1p1.yaml")) == []  # disjoint sets
+    assert G.shared_gpus(load_config(ONE_GPU, ["learner.gpus=null"])) == []  # the launcher hides every GPU: CPU learner
+    assert G.shared_gpus(load_config(REPO / "configs/gpu/quality_1gpu.yaml")) == []  # hf server: no configured share
+
+
+def test_the_one_gpu_config_fits_an_80_gb_h100():
+    assert G.refusal(load_config(ONE_GPU), PRESET_05B, H100, [0]) is None
+
+
+def test_on_a_28_gib_gpu_the_refusal_names_every_key_to_change_and_the_numbers():
+    why = G.refusal(load_config(ONE_GPU), PRESET_05B, 28 * GIB, [0])
+    assert why is not None
+    for key in ("rollout_server.gpu_memory_utilization", "training.global_max_length",
+                "training.per_device_train_batch_size", "training.gradient_checkpointing",
+                "stage2_ab.channel_b.async.sync_mode", "model.path"):
+        assert key in why, key
+    assert "shared GPU [0] (28.0 GiB;" in why
+    assert "server: 9.4 GiB = rollout_server.gpu_memory_utilization 0.3 × 28.0 GiB + 1.0 GiB" in why
+    assert "learner: about 19.3 GiB = 1.02 B parameters" in why and "2048 tokens" in why
+    assert "now 0.3; ≤ 0.27 leaves the learner room" in why
+    # ... and following the advice makes it fit
+    assert G.refusal(load_config(ONE_GPU, ["rollout_server.gpu_memory_utilization=0.27"]), PRESET_05B, 28 * GIB, [0]) is None
+
+
+def test_no_share_is_offered_that_would_starve_the_server_of_its_own_weights():
+    why = G.refusal(load_config(ONE_GPU), PRESET_05B, 24 * GIB, [0])  # ≤ 0.15 would fit the learner: 3.6 GiB < 3.9
+    assert why is not None and "no share leaves room for both the learner and the server's weights" in why
+
+
+def test_a_learner_too_big_for_any_share_is_told_to_shrink():
+    seven_b = G.ModelShape(num_params=7_216_851_968, layers=28, hidden=3584, intermediate=18944, vocab=2048,
+                           vision_layers=32, vision_hidden=1280, vision_intermediate=3420)
+    why = G.refusal(load_config(ONE_GPU), seven_b, H100, [0])
+    assert why is not None and "no share leaves room for both" in why and "7.22 B parameters" in why
+
+
+def test_nvidia_smi_csv_becomes_bytes_per_gpu_id():
+    assert G.parse_nvidia_smi("0, 81559\n1, 143771\n") == {0: 81559 << 20, 1: 143771 << 20}
+
+
+def test_launcher_dry_run_refuses_a_learner_that_cannot_fit_and_names_the_keys(tmp_path, monkeypatch, capsys):
+    from launcher.__main__ import main
+
+    model = model_dir_05b(tmp_path / "m")
+    argv = ["--config", str(ONE_GPU), "--dry-run", f"model.path={model}", f"training.output_dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(G, "gpu_total_bytes", lambda gpu: 24 * GIB)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit beside the rollout server" in err and "rollout_server.gpu_memory_utilization" in err
+    monkeypatch.setattr(G, "gpu_total_bytes", lambda gpu: H100)
+    assert main(argv) == 0
+
+
+def test_the_check_is_skipped_with_a_warning_where_it_cannot_be_made(tmp_path, monkeypatch, caplog):
+    cfg = load_config(ONE_GPU, [f"model.path={model_dir_05b(tmp_path / 'm')}"])
+    monkeypatch.setattr(G, "gpu_total_bytes", lambda gpu: None)  # no nvidia-smi (a CPU box, a dry run elsewhere)
+    with caplog.at_level(logging.WARNING, logger="tandem.launcher"):
+        assert G.shared_gpu_refusal(cfg) is None
+    assert "nvidia-smi did not report" in caplog.text
+    monkeypatch.setattr(G, "gpu_total_bytes", lambda gpu: 24 * GIB)
+    with caplog.at_level(logging.WARNING, logger="tandem.launcher"):  # the learner will say why at its start
+        assert G.shared_gpu_refusal(load_config(ONE_GPU, [f"model.path={tmp_path / 'not-built'}"])) is None
+    assert "cannot read the shape of model.path" in caplog.text
+    with pytest.raises(PlanError, match="training.global_max_length"):
+        build_plan(cfg, str(ONE_GPU), [], tmp_path / "logs")
