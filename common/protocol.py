@@ -30,6 +30,7 @@ from common.sync_messages import (  # noqa: F401  (re-exported: the /sync/* half
     BUCKET_HEADER,
     MAX_VER,
     MAX_VER_JUMP,
+    STREAM_MAGIC,
     SYNC_DTYPE_BYTES,
     SharedBuffer,
     SyncAbortRequest,

@@ -20,6 +20,8 @@ from common.message_base import Message as _Message
 
 #: HTTP request header carrying the JSON :class:`SyncBucketHeader` of a ``POST /sync/bucket`` body.
 BUCKET_HEADER = "X-Tandem-Bucket"
+#: First bytes of a bucket-stream connection (rollout_server/sync_stream.py, learner/sync/stream.py).
+STREAM_MAGIC = b"TANDEM-SYNC/1\n"
 #: Tensor dtypes of the weight-sync manifest and buckets (torch names), with their byte size.
 SYNC_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 SyncDtype = Literal["bfloat16", "float16", "float32", "float64", "int64", "int32", "uint8"]
@@ -138,6 +140,9 @@ class SyncInitResponse(_Message):
     """Every served parameter the learner must send, once each."""
     tied: list[list[str]] = Field(default_factory=list)
     """Groups of names sharing one storage; send only the first name of each group."""
+    data_token: str | None = None
+    """``http`` sessions: the secret a bucket stream connection quotes (``rollout_server/sync_stream.py``:
+    buckets on a raw connection to the same port instead of ``POST /sync/bucket`` bodies); None: not offered."""
 
 
 class SyncBeginRequest(_Message):

@@ -83,8 +83,14 @@ def run(cfg: Any, sock: socket.socket) -> int:
             server.should_exit = True
 
     app = build_app(engine, cfg, on_fatal=on_fatal)
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from rollout_server.sync_stream import sniffing_protocol
+
+    # Connections that open with the bucket-stream magic carry sync buckets (rollout_server/sync_stream.py).
+    http = sniffing_protocol(AutoHTTPProtocol, app.state.sync, srv.max_bucket_mb << 20)
     server = uvicorn.Server(uvicorn.Config(app, log_level=srv.log_level.lower(), access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=srv.shutdown_grace_s))
+                                           timeout_graceful_shutdown=srv.shutdown_grace_s, http=http))
     host, port = sock.getsockname()[:2]
     log.info("rollout server pid %d listening on http://%s:%d (engine %s, auth %s); loading %s",
              os.getpid(), host, port, srv.engine, "on" if srv.auth_token else "off", engine.model_path)

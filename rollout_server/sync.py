@@ -70,6 +70,7 @@ class Session:
     fence_done: float | None = None
     fence_s: float = 0.0
     update_started: bool = False  # an NCCL /sync/update or an /sync/ipc bucket reached the engine
+    data_token: str | None = None  # http: what a bucket stream connection quotes (rollout_server/sync_stream.py)
 
 
 class SyncController:
@@ -206,11 +207,13 @@ class SyncController:
                     raise ApiError(500, "engine_error", f"joining the weight-transfer group at {req.master_addr}:"
                                    f"{req.master_port} failed: {type(exc).__name__}: {exc}") from None
             self.session = Session(id=f"s-{secrets.token_hex(4)}", client=req.client, transport=req.transport,
-                                   deadline=time.monotonic() + req.timeout_s)
+                                   deadline=time.monotonic() + req.timeout_s,
+                                   data_token=secrets.token_urlsafe(24) if req.transport == "http" else None)
             self.state = SyncState.OPEN
             log.info("sync session %s opened by %s (%s)", self.session.id, req.client, req.transport)
             return SyncInitResponse(session=self.session.id, ver=self.fence.ver, dtype=self.engine.serving_dtype(),
-                                    manifest=self.engine.manifest(), tied=self.engine.tied_groups())
+                                    manifest=self.engine.manifest(), tied=self.engine.tied_groups(),
+                                    data_token=self.session.data_token)
 
     def engine_transports(self) -> list[str]:
         return list(getattr(self.engine, "transports", ("http",)))
