@@ -268,3 +268,43 @@ def test_cancelling_a_one_item_generate_aborts_its_request_on_the_engine():
 
     assert asyncio.run(client_goes_away()).cancelled()
     assert engine.llm.aborted == engine.llm.started and len(engine.llm.started) == 1
+
+
+def test_http_buckets_are_staged_in_shared_memory_and_loaded_by_the_workers_only_at_commit():
+    """The vLLM engine's HTTP path: each bucket lands in a /dev/shm file (the workers are other processes), nothing
+    is loaded before commit (a failed session keeps the old weights), commit has every worker load every bucket
+    in place (``tandem_load_shared``), and the files are gone afterwards, as after a discard."""
+    import os
+
+    import pytest
+
+    from common.protocol import TensorSpec
+    from common.tensors.shared import SHM_DIR
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip("needs /dev/shm")
+    workers = [Worker(), Worker()]
+    engine = _engine(workers, lambda: [])
+    first, second = hf_weights(1), hf_weights(2)
+    engine._set_manifest([TensorSpec(name=n, dtype="bfloat16", shape=list(t.shape)) for n, t in first], [])
+    engine._staged, engine._host_buckets, engine._received, engine._nccl_updating = {}, [], set(), False
+
+    def shm_files():
+        return {f for f in os.listdir(SHM_DIR) if f.startswith(f"tandem-sync-{os.getpid()}-")}
+
+    def push(weights):
+        before = shm_files()
+        half = len(weights) // 2
+        for part in (weights[:half], weights[half:]):
+            asyncio.run(engine.stage_bucket(dict(part)))
+        assert len(shm_files() - before) == 2 and engine.llm.calls == []  # staged, nothing loaded yet
+        return before
+
+    before = push(first)
+    asyncio.run(engine.discard())  # an aborted session: files gone, the workers' weights untouched
+    assert shm_files() == before and engine.llm.calls == []
+    push(second)
+    assert asyncio.run(engine.commit())
+    assert engine.llm.calls.count("tandem_load_shared") == 2 and shm_files() == before
+    for w in workers:
+        same(w.weight_transfer_engine.model, native(second))

@@ -57,7 +57,6 @@ import asyncio
 import importlib.util
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -105,7 +104,8 @@ class VLLMEngine(IpcReceiver, Engine):
         self.llm: Any = None
         self.tokenizer: Any = None
         self._dtype = "bfloat16" if srv.dtype == "auto" else srv.dtype
-        self._staged: dict[str, Any] = {}
+        self._staged: dict[str, Any] = {}  # HTTP: name -> index of its host bucket (ipc.py)
+        self._host_buckets: list = []
         self._received: set[str] = set()
         self._nccl_updating = False
         self._fast_updated = False
@@ -372,10 +372,9 @@ class VLLMEngine(IpcReceiver, Engine):
         return nbytes
 
     async def stage_bucket(self, tensors: dict[str, Any]) -> int:
-        for name, t in tensors.items():
-            self._check(name, str(t.dtype).removeprefix("torch."), list(t.shape))
-        self._staged.update({self._alias.get(n, n): t for n, t in tensors.items()})
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        canonical = {self._check(name, str(t.dtype).removeprefix("torch."), list(t.shape)): t
+                     for name, t in tensors.items()}
+        return self._stage_host(canonical)
 
     async def commit(self, expected_fingerprint: str | None = None) -> bool:
         sent = self._received or set(self._staged)
@@ -394,15 +393,11 @@ class VLLMEngine(IpcReceiver, Engine):
             if missing:
                 raise WeightUpdateError(f"{len(missing)} of {len(self._manifest)} parameters were not sent (first: "
                                         f"{missing[0]!r}); the served weights are now partly new")
-        elif self._staged:  # UNTESTED: HTTP path through a safetensors directory
+        elif self._staged:  # HTTP: the staged buckets, loaded by the workers from this host's shared memory
             if missing:
+                self._drop_staged()
                 raise WeightUpdateError(f"{len(missing)} parameters were not sent (first: {missing[0]!r})")
-            from safetensors.torch import save_file
-
-            with tempfile.TemporaryDirectory(prefix="tandem-sync-") as d:
-                save_file(self._staged, os.path.join(d, "model.safetensors"))
-                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
-            self._staged = {}
+            await self._load_staged()
         else:
             raise WeightUpdateError("nothing was sent in this session")
         # False while requests hold KV blocks; after our drain and pause it must be True. The three resets
@@ -417,7 +412,7 @@ class VLLMEngine(IpcReceiver, Engine):
         return ok
 
     async def discard(self) -> None:
-        self._staged = {}
+        self._drop_staged()
         self._received = set()
         self._fast_updated = False
         if self._nccl_updating:  # start_weight_update refuses while a session is active: close it

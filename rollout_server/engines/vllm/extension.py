@@ -168,7 +168,8 @@ class TandemWorkerExtension:
                             tuple((int(b), int(e)) for b, e in layout["offsets"]))
         with open_shared(SharedBuffer.model_validate(source), self.device) as buf, torch.no_grad():  # type: ignore[attr-defined]
             self._tandem_model().load_weights(chunk_views(buf[:chunk.nbytes], chunk))
-            torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]  # read before the learner refills it
+            if self.device.type == "cuda":  # type: ignore[attr-defined]
+                torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]  # read before the buffer is refilled
         return {"worker_s": time.perf_counter() - t0}
 
     def tandem_digest(self) -> str:

@@ -9,8 +9,15 @@ loaders copy into the served parameters in place, so captured CUDA graphs stay v
 path, a session that fails after its first bucket leaves the weights partly new and
 ``rollout_server/sync.py`` then refuses to serve (``updates_in_place``).
 
+HTTP buckets take the same worker call at commit: :meth:`IpcReceiver._stage_host` copies each received
+bucket into a /dev/shm file of this host (the engine-core workers are other processes) and
+:meth:`IpcReceiver._load_staged` has the workers load them in place once every bucket has arrived (a
+session that fails before commit drops the files and keeps the old weights; vLLM's ``reload_weights``
+from a safetensors temp dir took 1.35-1.9 s for 0.5b on an H100).
+
 A mixin of :class:`rollout_server.engines.vllm.engine.VLLMEngine` (uses its ``llm``, ``_check``,
-``_received`` and session timeout); kept apart so the engine module stays one screenful per concern.
+``_received``, ``_staged`` and session timeout); kept apart so the engine module stays one screenful
+per concern.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from common.tensors import packed as P
+from common.tensors.shared import SendBuffer
 from rollout_server.engines.base import WeightUpdateError
 
 
@@ -31,6 +40,8 @@ class IpcReceiver:
     _fast_updated: bool
     _session_timeout_s: float
     last_update_info: dict | None
+    _staged: dict[str, Any]
+    _host_buckets: list[tuple[list[P.Entry], SendBuffer]]
 
     async def _read_gpu_uuids(self) -> None:
         """Each worker's GPU UUID (``/health`` ``engine_info.gpu_uuids``: the learner picks ``ipc`` by it)."""
@@ -57,6 +68,35 @@ class IpcReceiver:
         self.last_update_info = {"path": "ipc", "rpc_s": time.monotonic() - t0,
                                  "worker_s": max(float(o["worker_s"]) for o in outs)}
         return sum(end - begin for begin, end in req.offsets)
+
+
+    def _stage_host(self, tensors: dict[str, Any]) -> int:
+        """One HTTP bucket (views of its body) into a /dev/shm file the workers can open; names recorded as staged."""
+        layout = P.packed_layout(list(tensors.items()), {n: str(t.dtype).removeprefix("torch.") for n, t in tensors.items()})
+        buf = SendBuffer(P.nbytes_of(layout), "cpu")
+        P.pack_into(buf.tensor, list(tensors.values()), layout)
+        self._host_buckets.append((layout, buf))
+        self._staged.update({name: len(self._host_buckets) - 1 for name, *_ in layout})
+        return P.nbytes_of(layout)
+
+    async def _load_staged(self) -> None:
+        """Every staged HTTP bucket into the served weights, in place, by the workers (commit)."""
+        t0 = time.monotonic()
+        try:
+            for layout, buf in self._host_buckets:
+                spec = {"names": [e[0] for e in layout], "dtypes": [e[1] for e in layout],
+                        "shapes": [e[2] for e in layout], "offsets": [list(e[3]) for e in layout]}
+                await self.llm.collective_rpc("tandem_load_shared", timeout=self._session_timeout_s,
+                                              kwargs={"layout": spec, "source": buf.describe().model_dump()})
+        finally:
+            self._drop_staged()
+        self.last_update_info = {"path": "host", "load_s": time.monotonic() - t0}
+
+    def _drop_staged(self) -> None:
+        for _, buf in self._host_buckets:
+            buf.close()
+        self._host_buckets = []
+        self._staged = {}
 
 
 __all__ = ["IpcReceiver"]
