@@ -49,6 +49,7 @@ stage-b: $(STAMP) tiny-model
 bench: $(STAMP) data tiny-model
 	$(PYTHON) bench/bench_rollout_server.py
 	$(PYTHON) bench/bench_actor.py
+	$(PYTHON) bench/bench_packing.py
 	$(PYTHON) bench/bench_learner.py
 	$(PYTHON) bench/bench_sync_modes.py
 	$(PYTHON) bench/bench_soak.py --duration-s 180

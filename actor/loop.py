@@ -369,6 +369,11 @@ class ActorLoop:
             "actor/packs_sent": self.c["packs_sent"],
             "actor/tokens_sent": self.c["tokens_sent"],
             "actor/underfilled_packs": int(pc["underfilled_packs"]),
+            "actor/flushed_packs": int(pc["flushed_packs"]),
+            # empty room of the packs built, by why they left (common/packing.py): min fill, max wait, ver flush
+            "actor/fill_lost_ready_tokens": int(pc["fill_lost_ready_tokens"]),
+            "actor/fill_lost_wait_tokens": int(pc["fill_lost_wait_tokens"]),
+            "actor/fill_lost_flush_tokens": int(pc["fill_lost_flush_tokens"]),
             "actor/server_errors": self.c["server_errors"],
             "actor/errors": self.c["errors"],
             "actor/bad_records": self.c["bad_records"],
@@ -395,6 +400,7 @@ class ActorLoop:
         record["packing/fill"] = sum(fills) / len(fills) if fills else 0.0
         record["packing/packs"] = len(fills)
         record["packing/fill_mean_total"] = self.packer.mean_fill
+        record.update({f"packing/fill_lost_{r}": v for r, v in self.packer.fill_lost().items()})  # + mean = 1
         record.update(self.counters())
         credits = self.gate.credits
         record.update({"credits/ver_current": credits.ver_current if credits else -1, "credits/share": self.gate.share,

@@ -4,10 +4,11 @@ Data flow and what releases a pack::
 
     add(segment) ──► buffer (arrival order, one clock stamp each)
                         │  pop_ready(now): per (ver, channel) group, oldest group first
-                        │    selection = oldest segment + best fit of the rest of its group
-                        │    emit if fill >= min_fill_ratio * packing_length      (normal)
-                        │         or oldest segment waited >= max_wait_s          (underfilled, counted)
-                        │  advance_ver(v, "flush"): every group with ver < v -> packs now, any fill
+                        │    selection = oldest segment + the subset of the rest of its group with the
+                        │                most tokens that fits (exact subset sum; ties keep older ones)
+                        │    emit if fill >= min_fill_ratio * packing_length      (normal, "ready")
+                        │         or oldest segment waited >= max_wait_s          (underfilled, "wait")
+                        │  advance_ver(v, "flush"): every group with ver < v -> packs now, any fill ("flush")
                         │  advance_ver(v, "drop"):  every segment with ver < v -> dropped, counted
                         ▼
                       Pack(ver, channel, segments)   n_tokens <= packing_length, never mixed
@@ -15,9 +16,18 @@ Data flow and what releases a pack::
 Capacity rule: a pack holds at most ``packing_length`` tokens and only segments of one ``ver`` and
 one channel; a segment is never split or truncated, so one longer than ``packing_length`` is refused
 at ``add`` (counted in ``too_long_dropped``; the caller logs the fix). Example: packing_length
-4096, min_fill_ratio 0.8, buffer of ver 3 = [1500, 900, 2100, 700] (oldest first): the selection
-is 1500 (oldest) + best fit of [900, 2100, 700] into 2596 -> FIFO greedy takes 900 + 700 = 3100,
-first-fit-decreasing takes 2100 -> 3600; FFD wins, the pack is [1500, 2100] with fill 0.88 >= 0.8.
+4096, min_fill_ratio 0.8, buffer of ver 3 = [1500, 1400, 1000, 1200, 1396] (oldest first): the
+selection is 1500 (oldest, always in: nothing starves) + the best subset of the rest into 2596 ->
+1200 + 1396 = 2596, a full pack [1500, 1200, 1396]; FIFO-greedy and first-fit-decreasing would both
+take 1400 + 1000 and stop at 3900 (0.95). Why exact: at a high ``min_fill_ratio`` a greedy pick
+misses the threshold on buffers that hold a fitting subset, and the pack then leaves only at
+``max_wait_s``, underfilled (bench/bench_packing.py measures both).
+
+Fill lost, by why the pack left (tokens of empty room, ``packing_length - n_tokens`` per pack):
+``fill_lost_ready_tokens`` (left at min fill), ``fill_lost_wait_tokens`` (``max_wait_s``),
+``fill_lost_flush_tokens`` (``advance_ver`` flush or ``flush_all``: what version purity costs), so
+``packs_emitted * packing_length == tokens_packed + fill_lost_ready_tokens + fill_lost_wait_tokens +
+fill_lost_flush_tokens``.
 
 Conservation, at every moment: ``segments_built == segments_packed + too_long_dropped +
 flushed_dropped + buffered``.
@@ -36,6 +46,8 @@ from typing import Literal
 from common.segment import Pack, Segment
 
 VerPolicy = Literal["flush", "drop"]
+_Reason = Literal["ready", "wait", "flush"]  # why a pack left (module docstring)
+_REASONS: tuple[_Reason, ...] = ("ready", "wait", "flush")
 
 
 @dataclass
@@ -80,6 +92,10 @@ class Packer:
             "flushed_packs": 0,  # released by advance_ver(..., "flush") or flush_all, any fill
             "tokens_packed": 0,
             "fill_sum": 0.0,  # sum of n_tokens / packing_length over emitted packs
+            # packing_length - n_tokens summed by release reason (module docstring):
+            "fill_lost_ready_tokens": 0,
+            "fill_lost_wait_tokens": 0,
+            "fill_lost_flush_tokens": 0,
         }
 
     @property
@@ -103,6 +119,15 @@ class Packer:
         n = self.counters["packs_emitted"]
         return self.counters["fill_sum"] / n if n else 0.0
 
+    def fill_lost(self) -> dict[str, float]:
+        """Share of the capacity of every pack emitted so far left empty, by release reason.
+
+        ``mean_fill + ready + wait + flush == 1`` (all 0 before the first pack). Example: ``{"ready": 0.03,
+        "wait": 0.0, "flush": 0.05}``: version flushes cost more fill than ``max_wait_s``.
+        """
+        capacity = self.counters["packs_emitted"] * self.packing_length
+        return {r: (self.counters[f"fill_lost_{r}_tokens"] / capacity if capacity else 0.0) for r in _REASONS}
+
     def add(self, segment: Segment, now: float | None = None) -> bool:
         """Buffer one segment; False if refused (too long, or older than ``ver`` under the drop policy)."""
         self.counters["segments_built"] += 1
@@ -125,11 +150,10 @@ class Packer:
                 chosen = self._select(group)
                 fill = sum(w.segment.length for w in chosen) / self.packing_length
                 if fill >= self.min_fill_ratio:
-                    packs.append(self._emit(chosen))
+                    packs.append(self._emit(chosen, "ready"))
                     break
                 if now - chosen[0].arrived >= self.max_wait_s:
-                    self.counters["underfilled_packs"] += 1
-                    packs.append(self._emit(chosen))
+                    packs.append(self._emit(chosen, "wait"))
                     break
             else:
                 return packs
@@ -167,25 +191,23 @@ class Packer:
         return list(groups.values())
 
     def _select(self, group: list[_Waiting]) -> list[_Waiting]:
-        """The group's oldest segment plus the better (more tokens) of FIFO-greedy and FFD over the rest."""
+        """The group's oldest segment plus the subset of the rest with the most tokens that fits, in arrival order."""
         oldest, rest = group[0], group[1:]
-        room = self.packing_length - oldest.segment.length
-        fifo = _fit(rest, room)
-        ffd = _fit(sorted(rest, key=lambda w: -w.segment.length), room)  # stable: ties stay oldest-first
-        best = ffd if _tokens(ffd) > _tokens(fifo) else fifo
-        order = {id(w): i for i, w in enumerate(group)}
-        return [oldest, *sorted(best, key=lambda w: order[id(w)])]
+        picked = _best_subset([w.segment.length for w in rest], self.packing_length - oldest.segment.length)
+        return [oldest, *(rest[i] for i in picked)]
 
-    def _emit(self, chosen: list[_Waiting], flushed: bool = False) -> Pack:
+    def _emit(self, chosen: list[_Waiting], reason: _Reason) -> Pack:
         taken = {id(w) for w in chosen}
         self._buffer = [w for w in self._buffer if id(w) not in taken]
         first = chosen[0].segment
         pack = Pack(ver=first.ver, channel=first.channel, segments=[w.segment for w in chosen])
         self.counters["segments_packed"] += len(chosen)
         self.counters["packs_emitted"] += 1
-        self.counters["flushed_packs"] += int(flushed)
+        self.counters["underfilled_packs"] += int(reason == "wait")
+        self.counters["flushed_packs"] += int(reason == "flush")
         self.counters["tokens_packed"] += pack.n_tokens
         self.counters["fill_sum"] += pack.n_tokens / self.packing_length
+        self.counters[f"fill_lost_{reason}_tokens"] += self.packing_length - pack.n_tokens
         return pack
 
     def _drain(self, closing: Callable[[_Waiting], bool]) -> list[Pack]:
@@ -194,16 +216,30 @@ class Packer:
             group = next((g for g in self._groups() if closing(g[0])), None)
             if group is None:
                 return packs
-            packs.append(self._emit(self._select(group), flushed=True))
+            packs.append(self._emit(self._select(group), "flush"))
 
 
-def _fit(candidates: list[_Waiting], room: int) -> list[_Waiting]:
-    taken = []
-    for w in candidates:
-        if w.segment.length <= room:
-            taken.append(w)
-            room -= w.segment.length
-    return taken
+def _best_subset(lengths: list[int], room: int) -> list[int]:
+    """Indices (ascending) of the subset of ``lengths`` with the largest sum <= ``room``; ties keep earlier items.
+
+    Subset sum over a bitset (a Python int, bit s set = some subset of the items so far sums to s): one
+    shift-or of ``room + 1`` bits per item, so a few hundred items into 4096 tokens take well under a
+    millisecond. It stops early at a perfect fill. Walking back from the last item, an item is taken only
+    if the target is unreachable without it, which is what prefers earlier (older) items on ties.
+    """
+    mask = (1 << (room + 1)) - 1
+    reach, before = 1, []  # before[i]: reachable sums of items 0..i-1
+    for n in lengths:
+        before.append(reach)
+        reach = (reach | (reach << n)) & mask
+        if reach >> room & 1:
+            break
+    target, picked = reach.bit_length() - 1, []
+    for i in range(len(before) - 1, -1, -1):
+        if not before[i] >> target & 1:
+            picked.append(i)
+            target -= lengths[i]
+    return picked[::-1]
 
 
 def _tokens(waiting: list[_Waiting]) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 from common import cli
 from common.matching import precision_recall_f1
+from launcher.bounds import b_bound, format_bound
 
 K = "stage2_ab/async/"
 
@@ -52,6 +53,22 @@ def read_split(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The step records (one per optimizer step); evaluation records are left out (:func:`read_eval_records`)."""
     return [r for r in read_records(run_dir) if record_kind(r) == "step"]
+
+
+def read_actor_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every actor's interval records (``actor_rank*_*.jsonl``; ledgers excluded); unreadable lines skipped."""
+    out = []
+    for path in sorted(Path(run_dir).glob("actor_rank*_*.jsonl")):
+        if path.name.endswith(".ledger.jsonl"):
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
 
 
 def read_eval_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -191,6 +208,7 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         "──────── tandem run summary ────────",
         f"optimizer steps        {s['steps']}  (A {s['steps_a']}, B {s['steps_b']})",
         f"B wanted by policy     {s['policy_wanted_b']}  (skipped for short queues: {s['b_skipped_due_to_queue']})",
+        *([line] if (line := format_bound(s.get("b_bound"))) else []),
         f"b_ratio realised       {f(s['b_ratio_realized'])}",
         f"packs trained (B)      {s['packs_trained_b']}",
         f"drops: stale / oldest  {s['drop_stale_total']} / {s['drop_oldest_total']}  (packs rejected at admission: "
@@ -271,6 +289,8 @@ def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[s
         s["wall_s"] = wall_s
     if exit_codes is not None:
         s["exit_codes"] = exit_codes
+    if s.get("steps"):  # over the learner's own time: the steps' wall clock, start-up excluded
+        s["b_bound"] = b_bound(records, read_actor_records(run_dir), sum(r.get("time/step", 0.0) for r in records))
     (Path(run_dir) / "summary.json").write_text(json.dumps(s, indent=2, default=str))
     print(format_summary(s, wall_s, exit_codes, run_dir))
     return s

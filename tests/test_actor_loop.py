@@ -172,6 +172,9 @@ def test_with_a_share_of_one_pack_the_actor_fills_its_pack_instead_of_waiting_fo
     c = loop.counters()
     assert loop.gate.share == 1 and learner.max_unconsumed <= 1
     assert c["actor/underfilled_packs"] == 0, "a pack waited for pack_max_wait_s although the actor could fill it"
+    pc, capacity = loop.packer.counters, loop.packer.counters["packs_emitted"] * loop.packer.packing_length
+    assert c["actor/fill_lost_wait_tokens"] == 0 and c["actor/flushed_packs"] == pc["flushed_packs"]
+    assert sum(c[f"actor/fill_lost_{r}_tokens"] for r in ("ready", "wait", "flush")) == capacity - pc["tokens_packed"]
     release = loop.packer.release_tokens
     sent = [sum(s["length"] for s in r.meta["segments"]) for r in learner.received]
     assert sum(n >= release for n in sent) >= 2, sent  # filled packs (the stop flushes the rest at any fill)

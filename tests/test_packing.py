@@ -21,8 +21,11 @@ class FakeClock:
 
 
 def conserved(packer: Packer) -> bool:
+    """Both identities of the module docstring: every segment, and every pack's capacity, accounted for."""
     c = packer.counters
-    return c["segments_built"] == c["segments_packed"] + c["too_long_dropped"] + c["flushed_dropped"] + packer.buffered
+    lost = c["fill_lost_ready_tokens"] + c["fill_lost_wait_tokens"] + c["fill_lost_flush_tokens"]
+    return (c["segments_built"] == c["segments_packed"] + c["too_long_dropped"] + c["flushed_dropped"] + packer.buffered
+            and c["packs_emitted"] * packer.packing_length == c["tokens_packed"] + lost)
 
 
 def check_pack(pack: Pack, packing_length: int) -> None:
@@ -43,20 +46,86 @@ def lengths_of(packs: list[Pack]) -> list[list[int]]:
     return [[s.length for s in p.segments] for p in packs]
 
 
-def test_oldest_segment_goes_first_and_first_fit_decreasing_wins_when_it_fills_more():
+def test_the_docstring_example_packs_the_oldest_with_the_subset_that_fills_the_pack_exactly():
     packer = Packer(4096, min_fill_ratio=0.8, max_wait_s=60, clock=FakeClock())
-    for length in (1500, 900, 2100, 700):  # the module docstring's example
+    for length in (1500, 1400, 1000, 1200, 1396):  # FIFO-greedy and first-fit-decreasing both stop at 3900
         packer.add(make_segment(length, ver=3))
     packs = packer.pop_ready()
-    assert lengths_of(packs) == [[1500, 2100]]
-    assert packer.buffered == 2 and packer.mean_fill == pytest.approx(3600 / 4096)
+    assert lengths_of(packs) == [[1500, 1200, 1396]]
+    assert packer.buffered == 2 and packer.mean_fill == 1.0
 
 
-def test_fifo_greedy_wins_when_it_fills_more_than_first_fit_decreasing():
+def test_a_buffer_the_old_greedy_left_waiting_for_max_wait_leaves_full_at_once():
+    # Room 600 after the oldest: greedy (FIFO or largest first) takes 350 and stops at 750 < 950; 300 + 300 fits.
+    clock = FakeClock()
+    packer = Packer(1000, min_fill_ratio=0.95, max_wait_s=5.0, clock=clock)
+    for length in (400, 350, 300, 300):
+        packer.add(make_segment(length, ver=0, sample_id=f"s{length}-{packer.buffered}"))
+    assert lengths_of(packer.pop_ready()) == [[400, 300, 300]]
+    clock.now = 5.0
+    assert lengths_of(packer.pop_ready()) == [[350]]  # the leftover leaves at max_wait, counted
+    c = packer.counters
+    assert (c["underfilled_packs"], c["fill_lost_ready_tokens"], c["fill_lost_wait_tokens"]) == (1, 0, 650)
+
+
+def test_among_equally_full_selections_the_older_segments_win():
     packer = Packer(100, min_fill_ratio=0.0, max_wait_s=60, clock=FakeClock())
-    for length in (10, 50, 40, 60):  # room 90: FIFO 50 + 40 = 90, FFD 60 alone
+    for i, length in enumerate((10, 30, 60, 30, 60)):  # 30 + 60 fills the room of 90 two ways
+        packer.add(make_segment(length, ver=0, sample_id=f"s{i}"))
+    assert [[s.sample_id for s in p.segments] for p in packer.pop_ready()][0] == ["s0", "s1", "s2"]
+
+
+def test_a_fifo_prefix_is_taken_when_it_is_the_fullest_selection():
+    packer = Packer(100, min_fill_ratio=0.0, max_wait_s=60, clock=FakeClock())
+    for length in (10, 50, 40, 60):  # room 90: 50 + 40 = 90, where largest-first would take 60 alone
         packer.add(make_segment(length, ver=0))
     assert lengths_of(packer.pop_ready())[0] == [10, 50, 40]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 60), max_size=10), st.integers(0, 150))
+def test_the_selection_finds_the_fullest_subset_that_fits(lengths, room):
+    from itertools import combinations
+
+    from common.packing import _best_subset
+
+    picked = _best_subset(lengths, room)
+    best = max(sum(c) for k in range(len(lengths) + 1) for c in combinations(lengths, k) if sum(c) <= room)
+    assert picked == sorted(set(picked)) and sum(lengths[i] for i in picked) == best
+
+
+def test_fill_lost_is_split_by_why_each_pack_left_and_adds_up_with_the_mean_fill():
+    clock = FakeClock()
+    packer = Packer(1000, min_fill_ratio=0.9, max_wait_s=5.0, clock=clock)
+    packer.add(make_segment(500, ver=1, sample_id="a"))
+    packer.add(make_segment(420, ver=1, sample_id="b"))
+    assert lengths_of(packer.pop_ready()) == [[500, 420]]  # ready: 80 empty
+    packer.add(make_segment(300, ver=1, sample_id="c"))
+    clock.now = 5.0
+    assert lengths_of(packer.pop_ready()) == [[300]]  # waited: 700 empty
+    packer.add(make_segment(600, ver=1, sample_id="d"))
+    packer.add(make_segment(100, ver=2, sample_id="e"))
+    assert lengths_of(packer.advance_ver(2)) == [[600]]  # ver flush: 400 empty
+    assert lengths_of(packer.flush_all()) == [[100]]  # final flush: 900 empty, counted with the flushes
+    c = packer.counters
+    assert (c["fill_lost_ready_tokens"], c["fill_lost_wait_tokens"], c["fill_lost_flush_tokens"]) == (80, 700, 1300)
+    assert (c["underfilled_packs"], c["flushed_packs"]) == (1, 2) and conserved(packer)
+    lost = packer.fill_lost()
+    assert lost == pytest.approx({"ready": 0.02, "wait": 0.175, "flush": 0.325})
+    assert packer.mean_fill + sum(lost.values()) == pytest.approx(1.0)
+
+
+def test_selection_over_a_few_hundred_buffered_segments_stays_cheap():
+    """A release fill no subset reaches, on a 400-segment group: one pop_ready selects in milliseconds, not seconds."""
+    import time
+
+    rng = np.random.default_rng(1)
+    packer = Packer(4096, min_fill_ratio=1.0, max_wait_s=1e9, clock=FakeClock())
+    for i, length in enumerate(rng.integers(1100, 1301, size=400)):  # 3 fit (<= 3900), 4 never: none leaves
+        packer.add(make_segment(int(length), ver=0, sample_id=f"s{i}"))
+    start = time.perf_counter()
+    assert packer.pop_ready() == []
+    assert time.perf_counter() - start < 0.5
 
 
 def test_underfilled_pack_waits_for_min_fill_then_leaves_after_max_wait_and_is_counted():
