@@ -66,12 +66,14 @@ class DataConfig:
 class TrainingConfig:
     """Learner optimisation, packing and run bookkeeping."""
 
-    per_device_train_batch_size: int = doc("Raw samples per micro-step per rank for Channel-A.", 1)
+    per_device_train_batch_size: int = doc(
+        "Nominal samples per micro-step per rank: sets GA (effective_batch_size), rollouts_per_step and the micro "
+        "mode's rollouts. Channel-A packs ignore it: they hold as many whole samples as fit global_max_length.", 1)
     gradient_accumulation_steps: int | None = doc(
         "Micro-steps per optimizer step (GA). Set this or effective_batch_size, not both.", None
     )
     effective_batch_size: int | None = doc(
-        "Global samples per optimizer step; GA = ceil(effective / (per_device × world)).", None
+        "Nominal global samples per optimizer step; GA = ceil(effective / (per_device × world)).", None
     )
     packing: bool = doc("Pack segments into one row per forward (required: true).", True)
     global_max_length: int = doc("packing_length: max tokens per pack; a longer segment is dropped and counted.", 4096)

@@ -105,6 +105,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
     step_s = max(r["time_step"] for r in per_rank) or 1e-9
     fb = [r["time_forward_backward"] for r in per_rank]
     packs, tokens, lags = total("packs"), total("tokens"), [v for r in per_rank for v in r.trained_vers]
+    kind_b = any(r["kind_b"] for r in per_rank)  # every rank trains the decided kind
     rec: dict[str, Any] = {
         "step": step,
         **facts,
@@ -141,11 +142,14 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "throughput/packs_per_s": packs / step_s,
         "packing/fill": (total("fill_sum") / packs) if packs else 0.0,
         "packing/segments": int(total("segments")),
+        # Samples trained in this step over every rank, by channel (the other one is 0): A packs hold as many as fit.
+        "train/samples_a": 0 if kind_b else int(total("segments")),
+        "train/samples_b": int(total("segments")) if kind_b else 0,
         "packing/tokens": int(tokens),
         "packing/channel_a_dropped_total": int(total("a_dropped_total")),
         "packing/window_carry": int(total("a_window_carry")),
     }
-    if any(r["kind_b"] for r in per_rank) and packs:
+    if kind_b and packs:
         rec.update(rollout_keys({k: int(total(f"rollout_{k}")) for k in ROLLOUT_COUNTS}))
     for r, stats in enumerate(per_rank):
         for name in COUNTER_NAMES:

@@ -149,12 +149,12 @@ class Learner:
         # Channel-A gets its own Encoder: its prefetch thread runs it, and an Encoder is not thread-safe.
         self.data_a = ChannelAData(cfg, encoder_from_config(cfg), rank=dist.rank, world_size=dist.world_size, ga=self.ga)
         self._resume()
-        per_window = cfg.training.per_device_train_batch_size * self.ga
         # Half the collective deadline: a rank whose window is stuck fails, naming the cause, before its
         # peers (already waiting in the step's first all_reduce) time out with a less telling message.
         self.a_windows = ChannelAPrefetcher(
             self.data_a, rank=dist.rank, deadline_s=cfg.learner.collective_timeout_s / 2,
-            what=f"{per_window} samples of {cfg.data.train_jsonl}", deadline_from="half of learner.collective_timeout_s",
+            what=f"{self.ga} packs of {self.packing_length} tokens from {cfg.data.train_jsonl}",
+            deadline_from="half of learner.collective_timeout_s",
         )
         self.a_windows.start()  # from here on its thread owns data_a; the first window builds during the first sync
         if cfg.training.trace_micro_steps:

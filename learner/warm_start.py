@@ -136,7 +136,8 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
     dtype = resolve_dtype(cfg.model.dtype, device)
     optimizer, scheduler = build_optimizer(model, t)
     ga = cfg.derived.gradient_accumulation_steps
-    data = ChannelAData(cfg, encoder_from_config(cfg), rank=0, world_size=1, ga=ga)
+    data = ChannelAData(cfg, encoder_from_config(cfg), rank=0, world_size=1, ga=ga,
+                        samples=cfg.training.per_device_train_batch_size * ga)  # the recipe's batch, not full packs
     weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature, ab.coord_ce_weight)
     every = max(1, t.log_every_steps)
     started = time.monotonic()

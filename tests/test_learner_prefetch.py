@@ -41,7 +41,7 @@ def consumed(state: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def make_data(tiny_model_dir, synth_data_dir, tmp_path_factory):
-    """A fresh ChannelAData with its own Encoder (one per thread): 2 samples per micro-step, so windows carry."""
+    """A fresh ChannelAData with its own Encoder (one per thread); every window carries (learner/data.py)."""
     from common.tensors.encode import encoder_from_config
 
     tmp = tmp_path_factory.mktemp("prefetch")

@@ -1,4 +1,4 @@
-"""The ready queue, the step decision (one process) and the Channel-A window packer, without a model."""
+"""The ready queue and the step decision (one process), without a model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from common.segment import Pack
 from common.wire import decode_credits, pack_to_frames
-from learner.data import window_packs
 from learner.decision import decide_step
 from learner.distributed import Dist
 from learner.pack_queue import COUNTER_NAMES, ReadyQueue
@@ -166,18 +165,3 @@ def test_the_decision_waits_up_to_pack_wait_s_for_a_short_queue():
     t0 = time.monotonic()
     d = decide_step(1, Fraction(1), 4, _Counted(0), Dist("gloo"), wait_s=0.2, poll_s=0.01)
     assert d.kind == "A" and d.skipped_due_to_queue and 0.2 <= time.monotonic() - t0 < 2.0
-
-
-# --------------------------------------------------------------------------------------------- window packer
-
-
-def test_the_window_packer_makes_exactly_ga_packs_and_carries_what_does_not_fit():
-    segs = [make_segment(n, 0, f"a{i}", channel="A") for i, n in enumerate([50, 40, 30, 20, 60, 10])]
-    packs, left = window_packs(segs, 3, 100)
-    assert len(packs) == 3 and not left
-    assert sorted(s.sample_id for p in packs for s in p.segments) == sorted(s.sample_id for s in segs)
-    assert all(p.n_tokens <= 100 for p in packs)
-    packs, left = window_packs([make_segment(90, 0, f"b{i}", channel="A") for i in range(4)], 2, 100)
-    assert len(packs) == 2 and len(left) == 2  # too long to share: the rest waits for the next window
-    with pytest.raises(ValueError, match="at least 3 segments"):
-        window_packs(segs[:2], 3, 100)
