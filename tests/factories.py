@@ -55,3 +55,20 @@ def make_segment(
     )
     segment.validate()
     return segment
+
+
+def run_bench_json(script: str, args: list[str], out, timeout_s: float = 600) -> dict:
+    """Run ``bench/<script>`` with ``args`` (its ``--json out`` appended) from the repo root; its last stdout line
+    parsed as JSON, checked equal to the file it wrote. Fails with the output tail on a non-zero exit."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, f"bench/{script}", *args, "--json", str(out)], cwd=repo,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last == json.loads(Path(out).read_text())
+    return last

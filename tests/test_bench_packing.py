@@ -3,21 +3,12 @@ first-fit baseline and a version-agnostic ideal, with books that balance."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.factories import run_bench_json
 
 
 def test_the_quick_packing_bench_fills_at_least_as_well_as_first_fit_and_every_token_is_accounted_for(tmp_path):
     out = tmp_path / "packing.json"
-    proc = subprocess.run([sys.executable, "bench/bench_packing.py", "--quick", "--json", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert last == json.loads(out.read_text())
+    last = run_bench_json("bench_packing.py", ["--quick"], out, timeout_s=120)
     rows = last["grid"] + last["buffer"] + last["version"]
     for r in rows:
         where = f"{r['mix']}/{r['packing_length']} {r['policy']} fill>={r['min_fill']} rate {r['rate']} ver/{r['ver_every']}"
