@@ -293,7 +293,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
     async def sync_update(header: SyncBucketHeader) -> SyncBucketResponse:
         if "nccl" not in sync.engine_transports():
             raise ApiError(400, "bad_request", f"/sync/update (NCCL) is not served by the {engine.name} engine; "
-                           "send safetensors buckets to /sync/bucket", field="transport")
+                           "send packed buckets to /sync/bucket (or use transport ipc)", field="transport")
         return await sync.update(header)  # pragma: no cover - vLLM engine only
 
     @admin.post("/commit", response_model=SyncCommitResponse)

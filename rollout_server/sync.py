@@ -274,7 +274,8 @@ class SyncController:
                 raise await self._fail(ApiError(504, "sync_timeout", f"ipc bucket {req.index} not loaded before the "
                                                 "session deadline"), "ipc load timeout") from None
             except (ValueError, WeightUpdateError) as exc:
-                field = "source" if isinstance(exc, ValueError) else f"names.{exc.field}" if exc.field else "names"
+                field = ("source" if not isinstance(exc, WeightUpdateError)  # WeightUpdateError is a ValueError too
+                         else f"names.{exc.field}" if exc.field else "names")
                 raise await self._fail(ApiError(400, "bad_request", f"ipc bucket {req.index}: {exc}", field=field),
                                        "ipc bucket refused") from None
             except Exception as exc:  # noqa: BLE001 - any failure ends the session, old weights kept

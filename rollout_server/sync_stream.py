@@ -17,7 +17,7 @@ Frames on a stream connection (lengths little-endian uint32)::
 The token is the session's ``data_token`` from ``/sync/init`` (which needs the bearer token), so a
 stream can only feed the session of the client that opened it. A frame that fails a check gets its
 error frame and the connection closes; a bucket that stops arriving (``sync_idle_timeout_s``, or the
-session's deadline) ends the session as an idle HTTP upload would.
+session's deadline) ends the session as an idle HTTP upload would. Every refusal is logged with the peer.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class BucketStream(asyncio.BufferedProtocol):
         self.pos = 0
         self.header: SyncBucketHeader | None = None
         self.last = time.monotonic()
+        self.deadline = float("inf")  # the session's, while a bucket arrives
         self.transport: Any = None
         self.watch: asyncio.Task | None = None
 
@@ -128,6 +129,7 @@ class BucketStream(asyncio.BufferedProtocol):
         # torch.empty, not bytearray(n): no zero-fill pass over a buffer the socket is about to fill
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.header, self.body, self.pos = header, memoryview(self.tensor.numpy()) if nbytes else memoryview(b""), 0
+        self.deadline = session.deadline
         self._receiving(True)
         if rest:
             take = rest[:nbytes]
@@ -168,6 +170,9 @@ class BucketStream(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
     def _refuse(self, exc: ApiError) -> None:
+        """The error frame, then the connection closes (logged: a refused stream is not counted as an HTTP request)."""
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        log.warning("sync stream from %s refused (%d %s): %s", peer, exc.status, exc.body.error, exc.body.message)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame({"status": exc.status, "body": exc.body.model_dump(mode="json")}))
             self.transport.close()
@@ -180,11 +185,12 @@ class BucketStream(asyncio.BufferedProtocol):
             await asyncio.sleep(0.5)
             if self.body is None or self.header is None:
                 continue
-            gap = self.sync.idle_timeout_s
-            if time.monotonic() - self.last > gap:
+            gap, now = self.sync.idle_timeout_s, time.monotonic()
+            if now - self.last > gap or now > self.deadline:
+                why = f"nothing for {gap:g}s" if now - self.last > gap else "the session's deadline passed"
                 self._receiving(False)
                 exc = await self.sync.upload_failed(self.header.session, ApiError(
-                    408, "request_timeout", f"the bucket stopped arriving after {self.pos} bytes (nothing for {gap:g}s)"))
+                    408, "request_timeout", f"the bucket stopped arriving after {self.pos} bytes ({why})"))
                 self._refuse(exc)
 
 

@@ -133,3 +133,21 @@ def test_auto_picks_ipc_only_when_the_server_serves_on_the_learners_gpu_alone():
     assert auto_transport("vllm", ["GPU-a", "GPU-b"], "GPU-a") == "nccl"  # TP over two GPUs: not one device
     assert auto_transport("hf", [], "GPU-a") == "http"  # a CPU server
     assert auto_transport("vllm", [], None) == "nccl"
+
+
+def test_an_ipc_bucket_naming_no_served_parameter_is_refused_naming_it_and_the_old_weights_stay(served):
+    before = digest_of(served)
+    sender, session = _begun(served, "ipc")
+    buf = SendBuffer(64, "cpu")
+    try:
+        req = SyncIpcRequest(session=session.id, index=0, names=["model.not_a_layer.weight"], dtypes=["float32"],
+                             shapes=[[4]], offsets=[(0, 16)], source=buf.describe())
+        r = served.http.post("/sync/ipc", content=req.model_dump_json(), headers={"Content-Type": "application/json"})
+        err = ErrorResponse.model_validate_json(r.content)
+        assert r.status_code == 400 and err.field == "names.model.not_a_layer.weight", r.text
+        assert "not a parameter of the served model" in err.message and "old weights kept" in err.message
+    finally:
+        sender.close()
+        buf.close()
+    assert served.http.get("/health").json()["sync_state"] == "idle"
+    assert digest_of(served) == before

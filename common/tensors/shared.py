@@ -11,19 +11,20 @@ CUDA: the learner's buffer is one allocation of its own caching allocator; ``_sh
 the IPC handle torch.multiprocessing would pickle, sent here as base64 fields instead, so the server
 never unpickles anything a client sent. The server opens it only on a GPU with the same UUID (IPC
 handles do not cross GPUs) and releases it when the ``with`` block ends. CPU: a file under /dev/shm
-named ``tandem-sync-<pid>-<random>``, removed by :meth:`SendBuffer.close` (or at exit).
+named ``tandem-sync-<pid>-<random>``, removed by :meth:`SendBuffer.close` (or when the buffer is
+collected, or at exit).
 
 What this module does not know: HTTP, sessions, engines.
 """
 
 from __future__ import annotations
 
-import atexit
 import base64
 import contextlib
 import mmap
 import os
 import secrets
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -36,6 +37,11 @@ SHM_DIR = "/dev/shm"
 def gpu_uuid(device: torch.device | int) -> str:
     """The UUID of a CUDA device as ``torch.cuda.get_device_properties`` gives it (same on both ends)."""
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _b64(raw: bytes | None) -> str:
@@ -64,7 +70,9 @@ class SendBuffer:
                 self._map = mmap.mmap(fd, max(self.nbytes, 1))
             finally:
                 os.close(fd)
-            atexit.register(self.close)
+            # removed at close(), or when this object goes or the process exits (no atexit entry per buffer:
+            # the vLLM engine makes one per staged bucket)
+            self._unlink = weakref.finalize(self, _remove, self._path)
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:self.nbytes]
         else:
             raise ValueError(f"sync transport 'ipc' cannot share {self.device.type} memory (cuda or cpu)")
@@ -89,8 +97,7 @@ class SendBuffer:
                 self._map.close()
             self._map = None
         if self._path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
+            self._unlink()
             self._path = None
 
 

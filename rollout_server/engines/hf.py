@@ -197,12 +197,16 @@ class HFEngine(Engine):
         reuses its buffer for the next bucket; the swap waits for commit, as for HTTP buckets)."""
         assert self.gen is not None, "engine not started"
         device = self.gen.device if self.gen.device.type == "cuda" else None
+        return await self.stage_bucket(await asyncio.to_thread(self._copy_shared, req, device))  # loop stays free
+
+    @staticmethod
+    def _copy_shared(req: Any, device: torch.device | None) -> dict[str, torch.Tensor]:
         with open_shared(req.source, device) as src:
             views = P.unpack(src[:req.offsets[-1][1]], req.names, req.dtypes, req.shapes, req.offsets)
             copies = {n: t.clone() for n, t in views.items()}
             if device is not None:
                 torch.cuda.synchronize(device)  # the copies are done before the learner may refill its buffer
-        return await self.stage_bucket(copies)
+        return copies
 
     def collective_backend(self) -> str:
         return "nccl" if self.gen is not None and self.gen.device.type == "cuda" else "gloo"

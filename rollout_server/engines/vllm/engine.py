@@ -43,9 +43,9 @@ Mapping onto vLLM:
 
   ``/sync/commit`` then runs ``reset_prefix_cache`` (its bool checked: a False puts the server in
   error rather than serve stale caches), ``reset_mm_cache`` and ``reset_encoder_cache``.
-* Weights over HTTP (no NCCL): buckets staged in CPU memory, written as one safetensors directory at
-  commit and loaded with ``collective_rpc("reload_weights")``. UNTESTED on GPU (the NCCL path is the
-  one the GPU configs use).
+* Weights over HTTP (no NCCL): each bucket staged in a /dev/shm file, loaded in place by every worker at
+  commit; over ``ipc`` (the learner on the server's GPU): each bucket loaded by the workers straight from
+  the learner's GPU memory (:mod:`rollout_server.engines.vllm.ipc`; both in ``tests/test_gpu_vllm.py``).
 * ``fingerprint``: vLLM keeps fused weights in worker processes; the engine reports the fingerprint
   the learner sent with the last commit. That the weights really arrived is shown by greedy outputs
   matching the learner's own (tests/test_gpu_vllm.py).
