@@ -46,6 +46,7 @@ from common.config_schema import (  # noqa: F401 - re-exported: the schema is pa
     doc,
 )
 from common.config_migration import key_problems, value_problem
+from common.config_learner import FsdpConfig, check_learner_rules  # noqa: F401 - FsdpConfig re-exported
 from common.config_server import check_server_rules
 from common.schedule import exact_ratio
 
@@ -302,6 +303,7 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
                      "raise rollout_server.max_bucket_mb or lower the learner's bucket_mb")
     positive("rollout_server.port", srv.port)
     check_server_rules(srv, problems)
+    check_learner_rules(cfg, problems)
     positive("transport.base_port", cfg.transport.base_port)
 
 
@@ -393,7 +395,7 @@ def load_config(
                            "the YAML's structure (a list element is replaced as a whole list: key=[a,b])"], source)
     cfg = _build(schema, data if data is not None else {}, "", problems)
     if schema is Config and cfg is not None and not problems:
-        ws = world_size if world_size is not None else cfg.learner.nproc_per_node
+        ws = world_size if world_size is not None else cfg.learner.nproc_per_node * cfg.learner.nnodes
         _check_rules(cfg, problems, world_size)
         try:
             cfg.derived = derive(cfg, ws)

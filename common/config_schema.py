@@ -17,17 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-REQUIRED = dataclasses.MISSING
-
-
-def doc(text: str, default: Any = REQUIRED, *, factory: Any = None) -> Any:
-    """A dataclass field with its documentation attached (read by the config reference)."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"doc": text})
-    if default is REQUIRED:
-        return field(metadata={"doc": text, "required": True})
-    return field(default=default, metadata={"doc": text})
-
+from common.config_fields import REQUIRED, doc  # noqa: F401 - re-exported
+from common.config_learner import LearnerConfig
 
 # --------------------------------------------------------------------------------------------- schema
 
@@ -364,30 +355,6 @@ class TransportConfig:
         "Largest frame a learner rank's pack socket accepts (zmq.MAXMSGSIZE): ZMQ drops a peer that sends a bigger "
         "one, unread. None = training.global_max_length × 32 KiB + 1 MiB, room for any legal pack of the Qwen-VL "
         "family; the learner checks at start that its model's biggest legal frame fits.", None
-    )
-
-
-@dataclass
-class LearnerConfig:
-    """The torchrun learner."""
-
-    gpus: list[int] | None = doc("GPU ids of the learner (launcher); must not overlap rollout_server.gpus "
-                                 "unless share_gpus_with_server; None = the launcher hides every GPU from it (CPU).", None)
-    share_gpus_with_server: bool = doc(
-        "Allow learner.gpus to overlap rollout_server.gpus: the learner and the rollout server (hf engine, or "
-        "vLLM with a low gpu_memory_utilization) share those GPUs, e.g. a one-GPU box. They then compete for "
-        "the GPU's memory and compute; NCCL weight sync between two processes on one GPU fails, so use "
-        "rollout_matching.vllm.sync.transport: http. With a vLLM server the launcher refuses, at start, a learner whose "
-        "estimated memory does not fit beside the server's gpu_memory_utilization share (launcher/gpu_budget.py).",
-        False,
-    )
-    nproc_per_node: int = doc("Learner ranks started by the launcher.", 1)
-    backend: Literal["auto", "gloo", "nccl"] = doc("torch.distributed backend; auto = nccl on CUDA else gloo.", "auto")
-    collective_timeout_s: float = doc("Deadline for barriers/collectives; a timeout names the awaited step.", 600.0)
-    pack_wait_s: float = doc(
-        "When the policy wants B but a rank holds fewer than GA eligible packs, re-check for up to this long "
-        "before falling back to A (counted in time/wait_for_packs). 0 = never wait: fall back at once.",
-        0.0,
     )
 
 

@@ -1,0 +1,110 @@
+"""The learner's data-parallel engine: DDP (replicated) or FSDP2 (sharded), chosen by ``learner.parallel``.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every transformer block of the language model
+and of the vision tower, then the root (embeddings, norm, lm_head)::
+
+    parameters (model.dtype, sharded dim 0 over the ranks; host memory with cpu_offload)
+      forward/backward of block k: all-gather its shards (learner.fsdp.param_dtype) ─► compute ─► free
+      gradients: reduce-scatter in learner.fsdp.reduce_dtype ─► each rank keeps its shard
+      AdamW steps on the shards (on the CPU with cpu_offload)
+
+The step contract is the same under both engines: ``grad_sync(model, on)`` is DDP's ``no_sync`` or
+FSDP2's ``set_requires_gradient_sync`` (gradients reduced on the last micro-step only), and every
+rank runs every block in every forward (the zero vision term keeps the vision tower in each graph).
+
+What this module does not know: packs, losses, sync or checkpoints (they ask :func:`is_fsdp`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """True for a model sharded by :func:`wrap` with ``parallel: fsdp`` (its root is an FSDPModule)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def sharded_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks FSDP2 shards one by one: decoder layers and vision blocks (Qwen2/2.5-VL layout)."""
+    inner = getattr(model, "model", model)
+    blocks: list[torch.nn.Module] = []
+    lm = getattr(inner, "language_model", inner)
+    blocks += list(getattr(lm, "layers", []))
+    vis = getattr(inner, "visual", None)
+    if vis is not None:
+        blocks += list(getattr(vis, "blocks", []))
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found to shard (learner.parallel: fsdp expects a "
+                         "Qwen2/2.5-VL model). Fix: use learner.parallel: ddp")
+    return blocks
+
+
+def fsdp_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``learner.fsdp.param_dtype`` ``auto`` = bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def wrap(model: torch.nn.Module, learner_cfg: Any, device: torch.device, world_size: int, local_rank: int) -> torch.nn.Module:
+    """The model as the learner trains it: itself (one DDP rank), DDP, or sharded in place by FSDP2."""
+    if learner_cfg.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        f = learner_cfg.fsdp
+        mesh = init_device_mesh(device.type, (world_size,))
+        kw: dict[str, Any] = {
+            "mesh": mesh,
+            "reshard_after_forward": f.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=fsdp_dtype(f.param_dtype, device),
+                                              reduce_dtype=getattr(torch, f.reduce_dtype)),
+            "offload_policy": CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy(),
+        }
+        for block in sharded_blocks(model):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        log.info("FSDP2: %d blocks + root sharded over %d rank(s) (param %s, reduce %s, cpu_offload %s)",
+                 len(sharded_blocks(model)), world_size, kw["mp_policy"].param_dtype, f.reduce_dtype, f.cpu_offload)
+        return model
+    if world_size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # find_unused_parameters off (it costs a graph traversal per step and warned on every run): every
+    # parameter gets a gradient each step, a pack without images through forward_rows' zero vision
+    # term. Buffers (rope) are constant: no per-forward broadcast. torch >= 2.13 names that switch
+    # forward_sync_buffers; 2.11 (the GPU image) only has broadcast_buffers.
+    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+               else "broadcast_buffers")
+    return DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+               find_unused_parameters=False, **{no_sync: False})
+
+
+@contextlib.contextmanager
+def grad_sync(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """Backward inside reduces gradients across ranks only if ``on`` (DDP no_sync / FSDP2 requires_gradient_sync)."""
+    if on:
+        yield
+    elif is_fsdp(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        yield
