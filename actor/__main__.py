@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     world = cfg.derived.world_size
     if not 0 <= args.rank < world or not 0 <= args.index < cfg.actor.num_actors_per_rank:
         print(f"--rank {args.rank} --index {args.index}: outside {world} learner ranks × "
-              f"{cfg.actor.num_actors_per_rank} actors per rank (learner.nproc_per_node, actor.num_actors_per_rank)",
+              f"{cfg.actor.num_actors_per_rank} actors per rank (learner.nnodes × learner.nproc_per_node, actor.num_actors_per_rank)",
               file=sys.stderr)
         return cli.EXIT_USAGE
     cli.setup_process(f"actor-r{args.rank}-{args.index}")  # the name carries the rank: no separate r<rank>

@@ -56,9 +56,15 @@ from common.wire import Credits, pack_to_frames
 log = logging.getLogger(__name__)
 
 
-def learner_command(cfg: Any, config_path: str) -> str:
-    """The command that starts the learner, for every message about a learner that is not there."""
-    return f"torchrun --nproc_per_node={cfg.learner.nproc_per_node} learner/main.py --config {config_path}"
+def learner_command(cfg: Any, config_path: str, rank: int = 0) -> str:
+    """The command that starts learner rank ``rank``, for every message about a learner that is not there
+    (on several learner nodes: node ``rank // nproc_per_node``'s launcher, on its host)."""
+    lrn = cfg.learner
+    if lrn.nnodes > 1:
+        node = rank // lrn.nproc_per_node
+        return (f"python -m launcher --config {config_path} launcher.node_rank={node}  "
+                f"(on learner node {node}, {lrn.node_hosts[node]})")
+    return f"torchrun --nproc_per_node={lrn.nproc_per_node} learner/main.py --config {config_path}"
 
 
 class LearnerLink:
@@ -70,10 +76,11 @@ class LearnerLink:
                  subscriber: CreditSubscriber | None = None) -> None:
         self.cfg, self.rank, self.index, self.actor_id = cfg, rank, index, actor_id
         self.gate, self.counts, self.log_record = gate, counts, log_record
-        self.hint = learner_command(cfg, config_path)
-        self.sender = sender or PackSender(pack_endpoint(cfg.transport, rank), hwm=cfg.transport.hwm,
-                                           linger_ms=cfg.transport.linger_ms, peer_hint=self.hint)
-        self.subscriber = subscriber or CreditSubscriber(credit_endpoint(cfg.transport, rank))
+        self.hint = learner_command(cfg, config_path, rank)
+        t = cfg.transport
+        self.sender = sender or PackSender(pack_endpoint(t, rank, cfg.learner), hwm=t.hwm, linger_ms=t.linger_ms,
+                                           peer_hint=self.hint)
+        self.subscriber = subscriber or CreditSubscriber(credit_endpoint(t, rank, cfg.learner))
         self.ledger = PackLedger(ledger_path)
         self.outbox: collections.deque[Pack] = collections.deque()
         self.samples: dict[str, Sample] = {}  # key -> sample, from build until its pack is sent

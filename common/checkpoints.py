@@ -7,7 +7,9 @@ the one place that knows the layout both sides share::
     {output_dir}/checkpoints/<step>/            a finished checkpoint (an integer directory name)
     {output_dir}/checkpoints/.tmp-<step>/       one being written (ignored here)
     <checkpoint>/b_ledger_rank<r>.json          {"rank": r, "trained_ids": [B keys rank r trained]}
-    <checkpoint>/trainer_state.json             {"run_id": ..., "global_step": ..., ...}
+    <checkpoint>/trainer_state.json             {"run_id": ..., "global_step": ..., "parallel": ..., ...}
+    <checkpoint>/model/                         ddp: the HF model directory (weights in safetensors)
+    <checkpoint>/dcp/.metadata                  fsdp: the sharded weights + AdamW state (torch.distributed.checkpoint)
     {output_dir}/run_info.json                  {"run_id": ..., ...}: the directory's run (learner/run_record.py)
 
 A run id (uuid4 hex) is made at a run's fresh start and kept by its resumes. ``auto`` resume picks only
@@ -90,6 +92,37 @@ def resolve_resume_checkpoint(resume: str | None, output_dir: str | Path) -> Pat
         raise FileNotFoundError(f"training.resume={resume!r} is not a checkpoint directory; use auto or a path "
                                 f"such as {Path(output_dir) / 'checkpoints' / '<step>'}")
     return path
+
+
+class NotACheckpoint(ValueError):
+    """A path given as a checkpoint that is none (or an unfinished one); the text says what is missing and the fix."""
+
+
+def checkpoint_parallel(path: str | Path) -> str:
+    """``"ddp"`` (a ``model/`` directory) or ``"fsdp"`` (a ``dcp/`` directory) for a finished checkpoint;
+    raises :class:`NotACheckpoint` naming what ``path`` is instead."""
+    path = Path(path)
+    example = "OUTPUT_DIR/checkpoints/<step>"
+    if not path.is_dir():
+        raise NotACheckpoint(f"{path} is not a directory. Fix: pass a checkpoint directory, {example}")
+    if path.name.startswith(".tmp-"):
+        raise NotACheckpoint(f"{path} is a checkpoint being written, or left half-written by a crash. Fix: pass a "
+                             f"finished one ({path.parent}/<step>)")
+    if not (path / "trainer_state.json").is_file():
+        steps = step_checkpoints(path)
+        if steps:
+            raise NotACheckpoint(f"{path} is a run's output directory, not a checkpoint. Fix: pass one of its "
+                                 f"checkpoints, e.g. the latest: {steps[-1]}")
+        raise NotACheckpoint(f"{path} is not a checkpoint directory (no trainer_state.json). Fix: pass {example}")
+    if (path / "dcp").is_dir():
+        if not (path / "dcp" / ".metadata").is_file():
+            raise NotACheckpoint(f"{path / 'dcp'} has no .metadata: the sharded checkpoint is incomplete (copied in "
+                                 "part?). Fix: copy the whole checkpoint directory, or pass another checkpoint")
+        return "fsdp"
+    if (path / "model").is_dir():
+        return "ddp"
+    raise NotACheckpoint(f"{path} has neither model/ (a ddp checkpoint) nor dcp/ (an fsdp checkpoint): copied in "
+                         "part? Fix: copy the whole checkpoint directory, or pass another checkpoint")
 
 
 def read_b_ledger(checkpoint_dir: str | Path | None, rank: int) -> set[str]:

@@ -377,6 +377,13 @@ class LauncherConfig:
     restart_backoff_s: float = doc(
         "Pause before a process's first restart; doubled for each further restart of that process, at most 60 s.", 2.0
     )
+    node_rank: int | None = doc(
+        "Which learner node this launcher starts (learner.nnodes > 1 needs it, passed per node on the command line: "
+        "launcher.node_rank=k). Node k gets torchrun for its ranks k·nproc_per_node .. (k+1)·nproc_per_node − 1 "
+        "(static rendezvous at learner.rdzv_endpoint), the actors feeding them, and, on node 0 only, the rollout "
+        "server; logs go to {output_dir}/logs/node{k}/. None = one node: the whole topology, as without multi-node.",
+        None,
+    )
 
 
 @dataclass

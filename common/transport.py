@@ -10,7 +10,21 @@ Topology per learner rank ``r`` (several actors may feed one rank; ZMQ fans them
 The learner binds both sockets of its rank, so it may start before or after its actors, and a
 restarted learner is found again by every actor without being told (ZMQ reconnects connecting
 sockets by itself). :func:`pack_endpoint` and :func:`credit_endpoint` are the ONE place the
-addresses come from; the learner and the actors both call them.
+addresses come from; the learner and the actors both call them, with the ``learner`` config section.
+
+Where rank ``r`` listens (:func:`learner_host`): ``learner.node_hosts[r // nproc_per_node]`` when the
+learner spans nodes (``learner.nnodes``), else ``transport.host``. The learner binds exactly the address
+its actors connect to — its node's own interface, never ``0.0.0.0`` — so only the network named in the
+config can reach the sockets. Ports are ``base_port + 2·r`` by **global** rank, so the ranks of two nodes
+never collide, not even two "nodes" on one machine.
+
+Trust: a non-loopback bind is a trust decision. These sockets have no authentication or encryption
+(no ZMQ CURVE): any host that routes to a learner node's ``base_port .. base_port + 2W − 1`` can push
+packs to that rank and read its credits (``ver``, queue depth, actor ids; no secrets). The receiver
+validates every pack (``common.wire``, ``learner/pack_queue.py``: undecodable, oversized or implausible
+frames are dropped and counted), but a well-formed pack from a stranger would be trained on. Keep
+learner nodes and actors on a private network and firewall those ports to the actor hosts
+(docs/multinode.md).
 
 Delivery semantics are written on each class. In short: packs never drop silently in transit —
 the sender blocks (up to a deadline) rather than dropping; the learner's receiver thread drains
@@ -49,17 +63,38 @@ def _port(transport_cfg: Any, rank: int, offset: int) -> int:
     return port
 
 
-def pack_endpoint(transport_cfg: Any, rank: int) -> str:
-    """``tcp://host:(base_port + 2·rank)``: where learner rank ``rank`` binds its PULL for packs.
+def learner_host(transport_cfg: Any, rank: int, learner: Any = None) -> str:
+    """The address of learner rank ``rank``'s node: ``learner.node_hosts[rank // learner.nproc_per_node]`` when
+    ``learner`` (the config's ``learner`` section) lists node hosts, else ``transport.host``.
+
+    Example: ``node_hosts: [10.0.0.1, 10.0.0.2]``, ``nproc_per_node: 4``: ranks 0-3 -> 10.0.0.1, 4-7 -> 10.0.0.2.
+    """
+    hosts = getattr(learner, "node_hosts", None)
+    if not hosts:
+        return str(transport_cfg.host)
+    node = int(rank) // int(learner.nproc_per_node)
+    if not 0 <= node < len(hosts):
+        raise ValueError(f"learner rank {rank} is on node {node}, but learner.node_hosts lists {len(hosts)} nodes "
+                         f"({learner.nproc_per_node} ranks each, learner.nproc_per_node)")
+    return str(hosts[node])
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+def pack_endpoint(transport_cfg: Any, rank: int, learner: Any = None) -> str:
+    """``tcp://host:(base_port + 2·rank)``: where learner rank ``rank`` binds its PULL for packs
+    (``host`` = :func:`learner_host`; pass ``learner`` = ``cfg.learner`` so a multi-node rank is found).
 
     Example: ``transport: {host: 127.0.0.1, base_port: 5600}``, rank 1 -> ``tcp://127.0.0.1:5602``.
     """
-    return f"tcp://{transport_cfg.host}:{_port(transport_cfg, rank, 0)}"
+    return _tcp(learner_host(transport_cfg, rank, learner), _port(transport_cfg, rank, 0))
 
 
-def credit_endpoint(transport_cfg: Any, rank: int) -> str:
+def credit_endpoint(transport_cfg: Any, rank: int, learner: Any = None) -> str:
     """``tcp://host:(base_port + 2·rank + 1)``: where learner rank ``rank`` binds its PUB for credits."""
-    return f"tcp://{transport_cfg.host}:{_port(transport_cfg, rank, 1)}"
+    return _tcp(learner_host(transport_cfg, rank, learner), _port(transport_cfg, rank, 1))
 
 
 def max_frame_bytes(transport_cfg: Any, packing_length: int) -> int:

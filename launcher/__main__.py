@@ -3,18 +3,16 @@
 Validates the config, the GPU split and the output directory (``common/run_dir.py``) before starting anything,
 starts the rollout server, the learner (torchrun) and the actors (logs in ``{output_dir}/logs/``), restarts a dead
 actor or server within the ``launcher.*`` budgets, ends with the learner, then prints the summary and the plot.
+With ``launcher.node_rank=k`` (``learner.nnodes`` > 1) it starts learner node k's share (``launcher/plan.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-import time
-from pathlib import Path
 
 from common import cli
 from common.run_dir import StartRefused, prepare_start
-from launcher.plan import PlanError, build_plan  # light: the config schema, no torch
+from launcher.plan import PlanError, build_plan, node_log_dir, node_of  # light: the config schema, no torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,34 +24,23 @@ def main(argv: list[str] | None = None) -> int:
     cli.setup_process("launcher")
     if (cfg := cli.load(args.config, args.overrides)) is None:
         return cli.EXIT_USAGE
-    out = Path(cfg.training.output_dir)
     try:
-        specs = build_plan(cfg, args.config, args.overrides, out / "logs", start_server=not args.no_server)
-        prepare_start(cfg, move=not args.dry_run)  # the learner's own check, before anything starts (no logs yet)
+        specs = build_plan(cfg, args.config, args.overrides, node_log_dir(cfg), start_server=not args.no_server)
+        # Before anything starts (no logs yet). Only node 0 (or the only node) moves an overwritten run aside:
+        # the other nodes share output_dir (docs/multinode.md) and check it, never moving what node 0 started.
+        prepare_start(cfg, move=not args.dry_run and not node_of(cfg))
     except (PlanError, StartRefused) as exc:
         print(f"launcher: {exc}", file=sys.stderr)
         return cli.EXIT_USAGE
-    print(f"tandem launcher: {len(specs)} processes, output in {out}")
+    node = "" if node_of(cfg) is None else f" (learner node {node_of(cfg)} of {cfg.learner.nnodes})"
+    print(f"tandem launcher{node}: {len(specs)} processes, output in {cfg.training.output_dir}")
     for spec in specs:
         print(f"  [{spec.name}] {spec.shell()}")
     if args.dry_run:
         return 0
-    from launcher.summary import print_summary
-    from launcher.supervisor import Supervisor
+    from launcher.supervisor import supervise
 
-    sup = Supervisor(specs, health_timeout_s=cfg.rollout_matching.vllm.timeout_s, grace_s=args.grace_s)
-    t0 = time.monotonic()
-    code = sup.run()
-    sup.write_record(out / "processes.json")
-    print_summary(out, wall_s=time.monotonic() - t0, exit_codes=sup.exit_codes())
-    try:
-        from launcher.plot import plot_run
-
-        for png in plot_run(out):
-            print(f"plot: {png}")
-    except Exception as exc:  # the plot is a convenience; never fail the run for it
-        logging.getLogger("tandem.launcher").warning("plot failed: %s", exc)
-    return code
+    return supervise(cfg, specs, grace_s=args.grace_s)
 
 
 if __name__ == "__main__":

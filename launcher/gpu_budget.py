@@ -15,6 +15,15 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
     weights, gradients, AdamW   4 P b      the learner trains in model.dtype, no fp32 master copy; AdamW's
                                            exp_avg and exp_avg_sq are in the parameter dtype (learner/model.py)
     DDP buckets                 P b        more than one rank: DDP's gradient buckets
+    learner.parallel: fsdp (FSDP2, W = nnodes × nproc_per_node ranks; B = the largest block's parameters,
+    R = the root's (embeddings, lm_head, norms, the vision tower's patch embedding and merger); p, r = bytes of
+    learner.fsdp.param_dtype and reduce_dtype), instead of the three lines above:
+      weights, gradients, AdamW  4 P b / W  the shards; none on the GPU with learner.fsdp.cpu_offload (host memory)
+      unsharded gradients        P b       GA > 1 without cpu_offload: gradients accumulate unsharded until the
+                                           last micro-step's reduce-scatter (learner/parallel.py grad_sync)
+      gathered parameters        (2 B + R) p   the block computing, the one prefetched, and the root (kept
+                                           gathered through the step); P p with reshard_after_forward: false
+      unsharded block gradients  (B + R) max(p, r)   one block's before its reduce-scatter, the root's to the end
     overlap snapshot            P b        sync_mode overlap: one more copy of the weights (learner/sync/overlap.py)
     sync chunk                  bucket_mb  transports other than http pack chunks on the GPU
     activations                 one packed forward of T = packing_length tokens (one pack per micro-step):
@@ -44,6 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -62,7 +72,8 @@ DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto = b
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs from a model directory (no weights loaded)."""
+    """What the estimate needs from a model directory (no weights loaded). ``largest_block`` and ``root_params``
+    (FSDP2's units: see the module docstring) are 0 where unknown: :meth:`fsdp_units` then estimates them."""
 
     num_params: int
     layers: int
@@ -73,21 +84,45 @@ class ModelShape:
     vision_hidden: int = 0
     vision_intermediate: int = 0
     merge: int = 2
+    largest_block: int = 0
+    root_params: int = 0
+
+    def fsdp_units(self) -> tuple[int, int]:
+        """(largest block, root) parameters: from the headers, else from the shapes (MHA, gated MLP: an upper
+        bound for a block; the root is what the blocks leave of ``num_params``)."""
+        if self.largest_block:
+            return self.largest_block, self.root_params
+        text = 4 * self.hidden ** 2 + 3 * self.hidden * self.intermediate
+        vision = 4 * self.vision_hidden ** 2 + 3 * self.vision_hidden * self.vision_intermediate
+        root = self.num_params - self.layers * text - self.vision_layers * vision
+        return max(text, vision if self.vision_layers else 0), max(0, root)
 
 
-def safetensors_param_count(model_dir: Path) -> int:
-    """Elements of every tensor in ``model_dir/*.safetensors``, read from the headers only (tied weights are stored
-    once, as ``parameters()`` counts them)."""
+_BLOCK = re.compile(r"^((?:.*\.)?(?:layers|blocks)\.\d+)\.")  # a decoder layer or a vision block: one FSDP2 unit
+
+
+def safetensors_param_groups(model_dir: Path) -> dict[str, int]:
+    """Elements per FSDP2 unit of ``model_dir/*.safetensors``, from the headers only: ``<prefix>.layers.<i>`` /
+    ``<prefix>.blocks.<i>`` per block, ``""`` for the rest (the root). Tied weights are stored once, as
+    ``parameters()`` counts them."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    total = 0
+    groups: dict[str, int] = {}
     for path in files:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
+        for k, v in header.items():
+            if k != "__metadata__":
+                unit = m.group(1) if (m := _BLOCK.match(k)) else ""
+                groups[unit] = groups.get(unit, 0) + math.prod(v["shape"])
+    return groups
+
+
+def safetensors_param_count(model_dir: Path) -> int:
+    """Elements of every tensor in ``model_dir/*.safetensors`` (headers only)."""
+    return sum(safetensors_param_groups(model_dir).values())
 
 
 def model_shape(model_dir: str | Path) -> ModelShape:
@@ -98,8 +133,11 @@ def model_shape(model_dir: str | Path) -> ModelShape:
     vis = cfg.get("vision_config") or {}
     hidden = int(text["hidden_size"])
     v_hidden = int(vis.get("hidden_size") or vis.get("embed_dim") or 0)
+    groups = safetensors_param_groups(model_dir)
+    blocks = [n for unit, n in groups.items() if unit]
     return ModelShape(
-        num_params=safetensors_param_count(model_dir), layers=int(text["num_hidden_layers"]), hidden=hidden,
+        num_params=sum(groups.values()), largest_block=max(blocks, default=0), root_params=groups.get("", 0),
+        layers=int(text["num_hidden_layers"]), hidden=hidden,
         intermediate=int(text.get("intermediate_size") or 4 * hidden), vocab=int(text["vocab_size"]),
         vision_layers=int(vis.get("depth") or 0) if v_hidden else 0, vision_hidden=v_hidden,
         vision_intermediate=int(vis.get("intermediate_size") or v_hidden * vis.get("mlp_ratio", 4)),
@@ -123,10 +161,14 @@ def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
     b, t = DTYPE_BYTES[cfg.model.dtype], cfg.training
     tokens, ckpt = t.global_max_length, t.gradient_checkpointing
     patches = tokens * IMAGE_TOKEN_SHARE * shape.merge ** 2
-    p = shape.num_params
-    terms = {"weights": p * b, "gradients": p * b, "AdamW state": 2 * p * b}
-    if cfg.learner.nproc_per_node > 1:
-        terms["DDP buckets"] = p * b
+    p, lrn = shape.num_params, cfg.learner
+    world = lrn.nnodes * lrn.nproc_per_node
+    if lrn.parallel == "fsdp":
+        terms = _fsdp_terms(cfg, shape, b, world)
+    else:
+        terms = {"weights": p * b, "gradients": p * b, "AdamW state": 2 * p * b}
+        if world > 1:
+            terms["DDP buckets"] = p * b
     if cfg.stage2_ab.channel_b.async_.sync_mode == "overlap":
         terms["overlap snapshot"] = p * b
     if cfg.rollout_matching.vllm.sync.transport != "http":
@@ -136,6 +178,23 @@ def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
                                               shape.vision_intermediate, b, ckpt)
                                + tokens * shape.vocab * (b + 8))
     terms["fixed"] = FIXED_BYTES
+    return terms
+
+
+def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int) -> dict[str, int]:
+    """The training-state terms of an FSDP2 rank (module docstring)."""
+    f, p = cfg.learner.fsdp, shape.num_params
+    pb = DTYPE_BYTES[f.param_dtype]  # auto = bf16 on CUDA (learner/parallel.py fsdp_dtype)
+    rb = DTYPE_BYTES[f.reduce_dtype]
+    block, root = shape.fsdp_units()
+    terms: dict[str, int] = {}
+    if not f.cpu_offload:
+        terms.update({"weights (shard)": p * b // world, "gradients (shard)": p * b // world,
+                      "AdamW state (shard)": 2 * p * b // world})
+        if cfg.derived.gradient_accumulation_steps > 1:
+            terms["unsharded gradients"] = p * b
+    terms["gathered parameters"] = (2 * block + root) * pb if f.reshard_after_forward else p * pb
+    terms["unsharded block gradients"] = (block + root) * max(pb, rb)
     return terms
 
 
@@ -189,6 +248,9 @@ def refusal(cfg: Config, shape: ModelShape, total: int, gpus: list[int]) -> str 
         lines.append("  training.gradient_checkpointing: true (keeps one activation per layer, recomputes the rest)")
     if "overlap snapshot" in need:
         lines.append("  stage2_ab.channel_b.async.sync_mode: blocking (no snapshot copy of the weights)")
+    if cfg.learner.parallel != "fsdp" or not cfg.learner.fsdp.cpu_offload:
+        lines.append("  learner.parallel: fsdp with learner.fsdp.cpu_offload: true (weights, gradients and AdamW state "
+                     "in host memory; only the blocks computing are on the GPU: configs/gpu/fsdp_7b_1gpu.yaml)")
     lines.append("  model.path: a smaller model (a smaller tools/make_tiny_model.py --preset), or give the learner "
                  "its own GPU (learner.gpus disjoint from rollout_server.gpus)")
     return "\n".join(lines)

@@ -6,16 +6,29 @@ file, how readiness is checked, and how often the supervisor may start it again 
 run, so the plan can be checked before any GPU is touched: overlapping GPU sets between the server and the
 learner are refused, and so is, on a GPU they may share, a learner whose estimated memory does not fit
 beside the vLLM server's share (``launcher/gpu_budget.py``, which asks nvidia-smi for the GPU's total).
+
+Several learner nodes (``learner.nnodes`` = N, ``launcher.node_rank`` = k, P = ``learner.nproc_per_node``):
+each node's launcher plans only its share, and node 0 alone starts the rollout server (the other nodes
+reach it by ``rollout_matching.vllm.servers``)::
+
+    node 0: rollout_server, torchrun --nnodes N --node_rank 0 (ranks 0..P-1, hosts the rendezvous), their actors
+    node k: torchrun --nnodes N --node_rank k (ranks kP..kP+P-1), their actors
+
+torchrun runs the static rendezvous at ``learner.rdzv_endpoint`` (node 0's TCP store), which keeps global
+rank r on node r // P: the actors of node k and the pack addresses (``common/transport.py``) rely on it.
+torchrun's c10d backend would not: it ignores ``--node_rank`` and orders the nodes by address and pid.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import Config
+from common.config_learner import is_loopback
 from launcher.gpu_budget import shared_gpu_refusal
 
 
@@ -51,21 +64,77 @@ def actors_wanted(cfg: Config) -> bool:
     return cfg.stage2_ab.channel_b.mode == "async" and cfg.stage2_ab.schedule.b_ratio > 0
 
 
+def node_of(cfg: Config) -> int | None:
+    """The learner node this launcher starts (``launcher.node_rank``); None = the whole single-node topology."""
+    return cfg.launcher.node_rank
+
+
+def node_log_dir(cfg: Config) -> Path:
+    """``{output_dir}/logs``, or ``{output_dir}/logs/node{k}`` for node k of several (output_dir is shared)."""
+    out = Path(cfg.training.output_dir) / "logs"
+    return out if cfg.learner.nnodes == 1 else out / f"node{node_of(cfg) or 0}"
+
+
+def record_path(cfg: Config) -> Path:
+    """Where the launcher records its processes: ``processes.json``, ``processes_node{k}.json`` on node k of several."""
+    name = "processes.json" if cfg.learner.nnodes == 1 else f"processes_node{node_of(cfg) or 0}.json"
+    return Path(cfg.training.output_dir) / name
+
+
+def rdzv_id(cfg: Config) -> str:
+    """The rendezvous id every node derives alike from the shared config: a node started with another
+    ``training.output_dir`` (another run) never joins this one."""
+    key = f"{cfg.training.output_dir}|{cfg.learner.rdzv_endpoint}|{cfg.learner.nnodes}"
+    return "tandem-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def torchrun_args(cfg: Config) -> list[str]:
+    """torchrun's placement flags: ``--standalone`` on one node, else this node of a static rendezvous."""
+    lrn = cfg.learner
+    if lrn.rdzv_endpoint is None:
+        return ["--standalone", f"--nproc_per_node={lrn.nproc_per_node}"]
+    node = node_of(cfg) or 0
+    # timeout: how long node k's torchrun waits for every node to reach node 0's store (static rendezvous)
+    return [f"--nnodes={lrn.nnodes}", f"--node_rank={node}", f"--nproc_per_node={lrn.nproc_per_node}",
+            "--rdzv_backend=static", f"--rdzv_endpoint={lrn.rdzv_endpoint}", f"--rdzv_id={rdzv_id(cfg)}",
+            f"--rdzv_conf=timeout={int(lrn.collective_timeout_s)}"]
+
+
+def node_ranks(cfg: Config) -> range:
+    """The global learner ranks on this launcher's node."""
+    per = cfg.learner.nproc_per_node
+    return range((node_of(cfg) or 0) * per, ((node_of(cfg) or 0) + 1) * per)
+
+
+def node_refusal(cfg: Config, start_server: bool) -> str | None:
+    """Why this node's share cannot start as configured (the launcher's own rules), or None."""
+    lrn, node = cfg.learner, node_of(cfg)
+    if lrn.nnodes > 1 and node is None:
+        return (f"learner.nnodes = {lrn.nnodes}: this launcher starts one learner node's share. Fix: run "
+                f"`python -m launcher --config C launcher.node_rank=k` on each node k = 0..{lrn.nnodes - 1} "
+                "(node 0 first: it hosts the rendezvous and the rollout server)")
+    remote = lrn.nnodes > 1 and any(not is_loopback(h) for h in lrn.node_hosts or [])
+    if remote and start_server and node == 0 and is_loopback(cfg.rollout_server.host):
+        return (f"rollout_server.host = {cfg.rollout_server.host!r}: the server node 0 starts would answer only "
+                "node 0, but learner.node_hosts spans machines (the actors of the other nodes call it). Fix: set "
+                "rollout_server.host to node 0's address (or 0.0.0.0) and rollout_server.auth_token")
+    return None
+
+
 def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Path,
                python: str = sys.executable, start_server: bool = True) -> list[ProcessSpec]:
-    """Server(s) first, then the learner (it binds the pack sockets), then the actors."""
+    """Server(s) first, then the learner (it binds the pack sockets), then the actors: this node's share."""
     srv, lrn = cfg.rollout_server, cfg.learner
     if srv.gpus and lrn.gpus and set(srv.gpus) & set(lrn.gpus) and not lrn.share_gpus_with_server:
         raise PlanError(f"rollout_server.gpus {srv.gpus} and learner.gpus {lrn.gpus} overlap: "
                         "give the server and the learner disjoint GPU sets")
-    if srv.engine == "vllm" and not srv.gpus:
+    if srv.engine == "vllm" and not srv.gpus and start_server and not node_of(cfg):
         raise PlanError("rollout_server.engine is vllm but rollout_server.gpus is empty: list the server's GPUs")
-    if (why := shared_gpu_refusal(cfg)) is not None:  # now, not an out-of-memory error after the server started
+    if (why := node_refusal(cfg, start_server) or shared_gpu_refusal(cfg)) is not None:  # now, not an OOM later
         raise PlanError(why)
-    world = lrn.nproc_per_node
     common = ["--config", config_path, *overrides]
     specs: list[ProcessSpec] = []
-    if start_server:
+    if start_server and not node_of(cfg):  # node 0 (or the only node) starts the server; the others call it
         url = cfg.rollout_matching.vllm.servers[0].base_url.rstrip("/")
         specs.append(ProcessSpec(
             name="rollout_server", role="server",
@@ -73,12 +142,11 @@ def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Pat
             env=_gpu_env(srv.gpus), log=log_dir / "rollout_server.log", health_url=f"{url}/health",
             max_restarts=max(0, cfg.launcher.max_server_restarts), restart_backoff_s=cfg.launcher.restart_backoff_s,
         ))
-    learner_argv = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                    "learner/main.py", *common]
+    learner_argv = [python, "-m", "torch.distributed.run", *torchrun_args(cfg), "learner/main.py", *common]
     specs.append(ProcessSpec(name="learner", role="learner", argv=learner_argv,
                              env={**_gpu_env(lrn.gpus), "OMP_NUM_THREADS": "1"} if not lrn.gpus else _gpu_env(lrn.gpus),
                              log=log_dir / "learner.log"))
-    for rank in range(world if actors_wanted(cfg) else 0):
+    for rank in node_ranks(cfg) if actors_wanted(cfg) else []:
         for index in range(cfg.actor.num_actors_per_rank):
             specs.append(ProcessSpec(
                 name=f"actor_r{rank}_{index}", role="actor",

@@ -129,8 +129,28 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "loss_first": records[0].get("loss/total"),
         "loss_last": last.get("loss/total"),
         **_sync_stall(records),
+        **learner_resources(records),
         "eval": summarize_evals(evals or []),
     }
+
+
+#: The ``mem/peak_<name>_gb_by_rank`` record keys, in print order (``allocated``, ``reserved``: GPU learners only).
+MEMORY_NAMES = ("allocated", "reserved", "rss")
+
+
+def learner_resources(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The learner's engine (``learner.parallel``; runs before the key existed were DDP), its median step time
+    (``time/step``, every step) and each rank's peak memory in GiB: per rank, the max over the run's records of
+    ``mem/peak_<name>_gb_by_rank`` (None for a name no record carries; a run of older records has none)."""
+    times = [float(r["time/step"]) for r in records if isinstance(r.get("time/step"), (int, float))]
+    peaks: dict[str, list[float] | None] = {}
+    for name in MEMORY_NAMES:
+        key = f"mem/peak_{name}_gb_by_rank"
+        rows = [r[key] for r in records if isinstance(r.get(key), list)]
+        width = max((len(row) for row in rows), default=0)
+        peaks[name] = [max(row[i] for row in rows if i < len(row)) for i in range(width)] if rows else None
+    return {"parallel": str(records[-1].get("learner/parallel", "ddp")),
+            "step_time_median_s": statistics.median(times) if times else None, "peak_memory_gb_by_rank": peaks}
 
 
 def rollout_totals(b_records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,6 +241,7 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s)",
         _rollout_line(s, f),
         f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
+        _learner_line(s, f),
         *_eval_lines(s.get("eval"), s.get("val_jsonl"), f),
     ]
     if wall_s is not None:
@@ -228,6 +249,15 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
     if exit_codes:
         lines.append("exit codes             " + ", ".join(f"{k}={v}" for k, v in exit_codes.items()))
     return "\n".join(lines)
+
+
+def _learner_line(s: dict[str, Any], f: Any) -> str:
+    """``learner  fsdp, step 1.234 s median; peak per rank: GPU allocated 10.1 / 10.2 GiB, host RSS 30.2 / 30.5 GiB``."""
+    labels = {"allocated": "GPU allocated", "reserved": "GPU reserved", "rss": "host RSS"}
+    peaks = s.get("peak_memory_gb_by_rank") or {}
+    mem = [f"{labels[k]} {' / '.join(f'{g:.2f}' for g in peaks[k])} GiB" for k in MEMORY_NAMES if peaks.get(k)]
+    return (f"learner                {s.get('parallel', 'ddp')}, step {f(s.get('step_time_median_s'))} s median"
+            + (f"; peak per rank: {', '.join(mem)}" if mem else ""))
 
 
 def _rollout_line(s: dict[str, Any], f: Any) -> str:

@@ -20,12 +20,21 @@ Data flow of a supervised run::
                                 learner's weights at its next due sync, ver moving on from the learner's.
     SIGINT / SIGTERM to us ────► same teardown, exit 130/143
 
+On several learner nodes each node's launcher supervises only what it started (``launcher/plan.py``): node 0 the
+server, its torchrun and their actors; node k its torchrun and their actors, nothing to wait for but its own.
+A node that dies (machine, launcher or torchrun) fails the collective its peers are in: their learner ranks
+exit ≠ 0 within ``learner.collective_timeout_s`` (gloo: at once, the peer's connection closes), so every
+other node's learner exits ≠ 0 and its launcher tears down as above, the run failing with that log tail.
+Only node 0 prints the run summary and the plot (the metrics are global rank 0's); node k prints its exit codes.
+
 Before a restart the dead leader's process group is SIGKILLed (an engine's workers must not keep
 its GPU memory). A restarted actor finds its place by itself (``actor/learner_link.py``, "Rejoin"): what the live learner
 already holds from the dead process is skipped, what died with it is produced again.
 
-Each child runs in its own session (process group), so teardown reaches torchrun's workers; we
-only ever signal the groups we created.
+Each child runs in its own session (process group); we only ever signal the groups we created.
+torchrun starts each worker in a session of its own and stops them itself on our SIGTERM: a torchrun
+that ignored SIGTERM for ``grace_s`` and is SIGKILLed can leave its workers running (they then fail at
+their next collective, or run to their own end).
 """
 
 from __future__ import annotations
@@ -40,8 +49,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from launcher.plan import ProcessSpec
+from launcher.plan import ProcessSpec, node_of, record_path
 
 log = logging.getLogger("tandem.launcher")
 
@@ -199,7 +209,7 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
                 c.proc.wait(timeout=10)
-        # Reap stragglers in the groups (torchrun workers) even if the leader already exited.
+        # Reap stragglers in the groups (e.g. an engine's workers) even if the leader already exited.
         for pgid in [pid for c in self.children for pid in (*c.earlier_pids, c.proc.pid)]:
             _kill_group(pgid)
         for c in self.children:
@@ -262,3 +272,30 @@ class Supervisor:
                            "restarts": c.restarts, "earlier_exits": c.earlier_exits, "down": c.down,
                            "argv": c.spec.argv, "log": str(c.spec.log)} for c in self.children],
         }, indent=2))
+
+
+def supervise(cfg: Any, specs: list[ProcessSpec], *, grace_s: float) -> int:
+    """Run ``specs`` to the end, record them (:func:`launcher.plan.record_path`), then report: the run summary and
+    plot on node 0 or the only node, this node's exit codes on node k > 0 (its metrics are node 0's). The exit code
+    of :meth:`Supervisor.run`."""
+    sup = Supervisor(specs, health_timeout_s=cfg.rollout_matching.vllm.timeout_s, grace_s=grace_s)
+    t0 = time.monotonic()
+    code = sup.run()
+    out = Path(cfg.training.output_dir)
+    sup.write_record(record_path(cfg))
+    if node_of(cfg):
+        codes = ", ".join(f"{name}={rc}" for name, rc in sup.exit_codes().items())
+        print(f"tandem learner node {node_of(cfg)}: {time.monotonic() - t0:.1f} s, exit codes {codes} "
+              f"(the run summary is node 0's; python -m launcher.summary {out})")
+        return code
+    from launcher.summary import print_summary
+
+    print_summary(out, wall_s=time.monotonic() - t0, exit_codes=sup.exit_codes())
+    try:
+        from launcher.plot import plot_run
+
+        for png in plot_run(out):
+            print(f"plot: {png}")
+    except Exception as exc:  # the plot is a convenience; never fail the run for it
+        log.warning("plot failed: %s", exc)
+    return code

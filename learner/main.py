@@ -2,12 +2,15 @@
 
     torchrun --nproc_per_node=W learner/main.py --config PATH [dotted.key=value ...]
     python learner/main.py --config PATH [...]          # W = 1, no torchrun needed
+    python -m launcher --config PATH launcher.node_rank=k   # node k of learner.nnodes (docs/multinode.md)
 
 Loads the config with the world size torchrun announced (errors: exit 2, every problem listed),
 names the process, has rank 0 check the output directory (``common/run_dir.py``: a start that would
 mix with another run exits 2) and write the run record (``learner/run_record.py``), and only then
 imports torch and transformers (``--help`` and config errors answer in well under a second), calls
-``learner.train.run`` once, and tears the process group down in ``finally``.
+``learner.train.run`` once, and tears the process group down in ``finally``. Rank means the global rank
+(``RANK``): on several nodes the run record is node 0's, and every node must share ``training.output_dir``
+(checked once the ranks have joined, ``Dist.check_shared_dir``).
 """
 
 from __future__ import annotations
@@ -35,14 +38,17 @@ def main(argv: list[str] | None = None) -> int:
             return cli.EXIT_USAGE
 
     from common.config import ConfigError
-    from learner.distributed import Dist  # heavy (torch): deferred until the config is known to be good
+    from learner.distributed import Dist, SharedDirError  # heavy (torch): deferred until the config is known good
     from learner.train import run
 
     dist = None
     try:
         dist = Dist(cfg.learner.backend, cfg.learner.collective_timeout_s)
-        return run(cfg, dist)
-    except ConfigError as err:  # rules only checkable at run time (world size, timeouts)
+        if cfg.learner.nnodes > 1:
+            dist.check_shared_dir(cfg.training.output_dir)
+        with dist.peer_failures_named():
+            return run(cfg, dist)
+    except (ConfigError, SharedDirError) as err:  # rules only checkable at run time (world size, timeouts, nodes)
         print(err, file=sys.stderr)
         return cli.EXIT_USAGE
     finally:

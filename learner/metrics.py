@@ -40,7 +40,7 @@ RANK_FIELDS = (
     "time_forward_backward", "time_wait_for_packs", "time_wait_for_a_window", "time_step", "time_sync_stall",
     "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou", "loss_coord_ce",
     "ver_lag_sum", "ver_lag_max", "queue_depth", "fill_sum", "ver_current", "sync_client_calls",
-    "a_dropped_total", "a_window_carry",
+    "a_dropped_total", "a_window_carry", "mem_peak_rss", "mem_peak_allocated", "mem_peak_reserved",
     *(f"rollout_{name}" for name in ROLLOUT_COUNTS),
     *(f"queue_{name}" for name in COUNTER_NAMES),
 )
@@ -87,6 +87,21 @@ def rollout_keys(counts: dict[str, int]) -> dict[str, Any]:
     if counts["n_pred"] + counts["n_gt"] > 0:
         p, r, f1 = precision_recall_f1(int(counts["n_matched"]), int(counts["n_pred"]), int(counts["n_gt"]))
         out.update({"rollout/precision": p, "rollout/recall": r, "rollout/f1": f1})
+    return out
+
+
+def memory_keys(per_rank: list[RankStats]) -> dict[str, Any]:
+    """``mem/*``: each rank's peak memory since its process started (GiB), the max over ranks and the list by rank.
+
+    ``peak_rss_gb`` (host) always; ``peak_allocated_gb`` / ``peak_reserved_gb`` (CUDA allocator) only on a GPU
+    learner (absent on CPU, not 0).
+    """
+    out: dict[str, Any] = {}
+    for name in ("rss", "allocated", "reserved"):
+        values = [round(float(r[f"mem_peak_{name}"]), 3) for r in per_rank]
+        if name == "rss" or any(values):
+            out[f"mem/peak_{name}_gb"] = max(values)
+            out[f"mem/peak_{name}_gb_by_rank"] = values
     return out
 
 
@@ -149,6 +164,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "packing/channel_a_dropped_total": int(total("a_dropped_total")),
         "packing/window_carry": int(total("a_window_carry")),
     }
+    rec.update(memory_keys(per_rank))
     if kind_b and packs:
         rec.update(rollout_keys({k: int(total(f"rollout_{k}")) for k in ROLLOUT_COUNTS}))
     for r, stats in enumerate(per_rank):

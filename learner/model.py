@@ -48,8 +48,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bool = False) -> tuple[torch.nn.Module, Any, list[int]]:
-    """(model in train mode on ``device``, tokenizer, coord ids) from ``model.path``."""
+def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bool = False,
+                load_device: torch.device | None = None) -> tuple[torch.nn.Module, Any, list[int]]:
+    """(model in train mode, tokenizer, coord ids) from ``model.path``.
+
+    ``device`` is where it computes (``model.dtype: auto`` resolves against it); the weights are put on
+    ``load_device`` (default ``device``): the CPU under FSDP2, which moves them block by block while
+    sharding (``learner.parallel.load_device``).
+    """
     from transformers import AutoModelForImageTextToText, AutoTokenizer  # heavy: deferred
 
     tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
@@ -67,7 +73,7 @@ def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bo
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    model.to(device).train()
+    model.to(load_device or device).train()
     return model, tokenizer, coord_ids
 
 
@@ -141,14 +147,32 @@ def forward_rows(model: torch.nn.Module, inputs: PackInputs) -> torch.Tensor:
 
     A pack without images (not made by tandem's actors, whose records always carry one, but valid on
     the wire) would leave the vision tower without gradients, and DDP (``find_unused_parameters``
-    off: learner/rank.py) would fail the next step. So under autograd such a pack adds 0 × a tiny
+    off: learner/parallel.py) would fail the next step. So under autograd such a pack adds 0 × a tiny
     vision forward (:func:`zero_vision_term`): the logits are unchanged, every vision parameter gets a
-    zero gradient.
+    zero gradient. Under FSDP2 every block's all-gather is a collective paired with the other ranks' by
+    order, and a rank with images runs the vision tower before the language model: so the zero term
+    runs there too (a pre-hook on the language model, inside the root's forward), never after it.
     """
-    out = model(**inputs.model_kwargs, logits_to_keep=inputs.rows.all_src, use_cache=False)
+    zero_needed = "pixel_values" not in inputs.model_kwargs and torch.is_grad_enabled()
+    early: list[torch.Tensor | None] = []
+    hook = None
+    if zero_needed:
+        from learner.parallel import is_fsdp
+
+        lm = getattr(getattr(model, "model", None), "language_model", None)
+        if is_fsdp(model) and lm is not None:
+            def vision_first(*_: Any) -> None:  # returns None: the language model's inputs stay as they are
+                early.append(zero_vision_term(model))
+
+            hook = lm.register_forward_pre_hook(vision_first)
+    try:
+        out = model(**inputs.model_kwargs, logits_to_keep=inputs.rows.all_src, use_cache=False)
+    finally:
+        if hook is not None:
+            hook.remove()
     logits = out.logits[0]
-    if "pixel_values" not in inputs.model_kwargs and torch.is_grad_enabled():
-        zero = zero_vision_term(model)
+    if zero_needed:
+        zero = early[0] if early else zero_vision_term(model)
         if zero is not None:
             logits = logits + zero.to(logits.dtype)
     return logits
@@ -170,14 +194,17 @@ def pack_limits(model: torch.nn.Module, packing_length: int, rope_rows: int | No
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The Qwen2/2.5-VL vision tower under a (possibly DDP-wrapped) policy, or None."""
+    """The Qwen2/2.5-VL vision tower under a (possibly DDP-wrapped or FSDP2-sharded) policy, or None."""
     inner = getattr(getattr(model, "module", model), "model", None)
     return getattr(inner, "visual", None)
 
 
 def zero_vision_term(model: torch.nn.Module) -> torch.Tensor | None:
     """0 × the sum of a one-image (2 × 2 merged patches, zeros) vision forward: a scalar 0 in the graph
-    of every vision parameter. None for a policy without a vision tower."""
+    of every vision parameter. None for a policy without a vision tower.
+
+    Under FSDP2 call it inside the root's forward (:func:`forward_rows` does): the tower's own
+    parameters are then gathered, and its blocks gather theirs through their hooks."""
     vis = vision_tower(model)
     if vis is None:
         return None
@@ -219,18 +246,25 @@ def clip_and_step(
 
     A non-finite gradient norm, or ``loss_finite`` False, skips the update: the gradients are zeroed; the
     weights, the optimizer state and the LR schedule stay as they were (so no NaN reaches a sync or a
-    checkpoint). The caller tells a skip by ``loss_finite`` and ``math.isfinite`` of the returned norm. Under
-    DDP the norm is the same on every rank (the gradients were all-reduced), so every rank makes the same choice.
+    checkpoint). The caller tells a skip by ``loss_finite`` and ``math.isfinite`` of the returned norm. The norm is
+    the same on every rank, so every rank makes the same choice: under DDP the gradients were all-reduced; under
+    FSDP2 they are shards (DTensors), and the norm is their all-reduced total (``full_tensor``).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         norm = 0.0
     elif max_grad_norm > 0 and loss_finite:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        norm = _full_float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     else:
-        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+        norm = _full_float(torch.nn.utils.get_total_norm([p.grad for p in params]))
     if loss_finite and math.isfinite(norm):
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def _full_float(norm: torch.Tensor) -> float:
+    """A gradient norm as a float: a DTensor (FSDP2 shards) is reduced over the ranks first."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)

@@ -8,9 +8,17 @@ and of the vision tower, then the root (embeddings, norm, lm_head)::
       gradients: reduce-scatter in learner.fsdp.reduce_dtype ─► each rank keeps its shard
       AdamW steps on the shards (on the CPU with cpu_offload)
 
+Where the weights live: the learner loads the model on the CPU under ``fsdp`` (:func:`load_device`);
+``fully_shard`` moves each block's parameters to the rank's device as it shards them, so without
+offload the shards end on the GPU and with ``cpu_offload`` they go back to pinned host memory; the
+whole model is never on the GPU at once.
+
 The step contract is the same under both engines: ``grad_sync(model, on)`` is DDP's ``no_sync`` or
-FSDP2's ``set_requires_gradient_sync`` (gradients reduced on the last micro-step only), and every
-rank runs every block in every forward (the zero vision term keeps the vision tower in each graph).
+FSDP2's ``set_requires_gradient_sync`` (gradients reduced on the last micro-step only; with
+``cpu_offload`` FSDP2 reduce-scatters after every micro-step instead, so no unsharded gradient
+accumulates on the GPU), and every rank runs every block in every forward, in the same order: the
+FSDP2 all-gathers are collectives paired by order (``learner.model.forward_rows`` runs the zero
+vision term of an image-less pack where the vision tower would have run).
 
 What this module does not know: packs, losses, sync or checkpoints (they ask :func:`is_fsdp`).
 """
@@ -20,12 +28,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
+
+#: FSDP2 roots wrapped with cpu_offload: gradients reduce-scatter (to host memory) after every micro-step,
+#: since skipping the reduction would accumulate unsharded gradients of every block on the GPU.
+_REDUCE_EVERY_MICRO_STEP: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -57,24 +70,50 @@ def fsdp_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def load_device(learner_cfg: Any, device: torch.device) -> torch.device:
+    """Where the loaded weights go before :func:`wrap`: ``device`` under DDP; the CPU under FSDP2, which moves
+    one block at a time to ``device`` while sharding it (a 7B model never sits whole on the GPU)."""
+    return torch.device("cpu") if learner_cfg.parallel == "fsdp" else device
+
+
+def join_one_rank_group(device: torch.device) -> bool:
+    """FSDP2 needs a process group even for one rank; a world of one (no torchrun) has none
+    (``common/tensors/ranks.py``): make one on an in-memory store. True when this call made it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
 def wrap(model: torch.nn.Module, learner_cfg: Any, device: torch.device, world_size: int, local_rank: int) -> torch.nn.Module:
-    """The model as the learner trains it: itself (one DDP rank), DDP, or sharded in place by FSDP2."""
+    """The model as the learner trains it: itself (one DDP rank), DDP, or sharded in place by FSDP2.
+
+    Build the optimizer after this: FSDP2 replaces every parameter by its shard (a DTensor).
+    """
     if learner_cfg.parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         f = learner_cfg.fsdp
+        if world_size == 1:
+            join_one_rank_group(device)
         mesh = init_device_mesh(device.type, (world_size,))
         kw: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": f.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(param_dtype=fsdp_dtype(f.param_dtype, device),
                                               reduce_dtype=getattr(torch, f.reduce_dtype)),
-            "offload_policy": CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy(),
+            # pinned host memory for fast host-device copies; a CPU-only torch cannot pin (and needs no copies)
+            "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if f.cpu_offload else OffloadPolicy(),
         }
         for block in sharded_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
+        if f.cpu_offload:
+            _REDUCE_EVERY_MICRO_STEP.add(model)
         log.info("FSDP2: %d blocks + root sharded over %d rank(s) (param %s, reduce %s, cpu_offload %s)",
                  len(sharded_blocks(model)), world_size, kw["mp_policy"].param_dtype, f.reduce_dtype, f.cpu_offload)
         return model
@@ -95,7 +134,7 @@ def wrap(model: torch.nn.Module, learner_cfg: Any, device: torch.device, world_s
 @contextlib.contextmanager
 def grad_sync(model: torch.nn.Module, on: bool) -> Iterator[None]:
     """Backward inside reduces gradients across ranks only if ``on`` (DDP no_sync / FSDP2 requires_gradient_sync)."""
-    if on:
+    if on or model in _REDUCE_EVERY_MICRO_STEP:
         yield
     elif is_fsdp(model):
         model.set_requires_gradient_sync(False)
@@ -108,3 +147,17 @@ def grad_sync(model: torch.nn.Module, on: bool) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """This process's peak memory since it started, in GiB: ``rss`` (host, ``getrusage``) always; ``allocated``
+    and ``reserved`` (``torch.cuda.max_memory_*``) when ``device`` is a GPU."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out = {"rss": rss * (1 if sys.platform == "darwin" else 1024) / 2**30}
+    if device.type == "cuda":
+        out["allocated"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["reserved"] = torch.cuda.max_memory_reserved(device) / 2**30
+    return out

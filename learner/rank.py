@@ -19,7 +19,6 @@ constructing them, or how actors produce packs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -34,7 +33,7 @@ import torch
 
 from common.config import ConfigError
 from common.schedule import RealizedRatio, exact_ratio
-from learner import checkpoint
+from learner import checkpoint, parallel
 from learner.data import ChannelAData
 from learner.distributed import Dist
 from learner.evaluation import PeriodicEval
@@ -92,9 +91,9 @@ class Learner:
 
         t, a = self.cfg.transport, self.cfg.stage2_ab.channel_b.async_
         self.max_frame = max_frame_bytes(t, self.packing_length)  # checked against the model in setup()
-        receiver = PackReceiver(pack_endpoint(t, self.dist.rank), hwm=t.hwm, linger_ms=t.linger_ms,
+        receiver = PackReceiver(pack_endpoint(t, self.dist.rank, self.cfg.learner), hwm=t.hwm, linger_ms=t.linger_ms,
                                 max_frame_bytes=self.max_frame)
-        publisher = CreditPublisher(credit_endpoint(t, self.dist.rank))
+        publisher = CreditPublisher(credit_endpoint(t, self.dist.rank, self.cfg.learner))
         self._sockets = [receiver, publisher]
         self.queue = ReadyQueue(
             rank=self.dist.rank, queue_limit=a.queue_limit, version_window=a.version_window,
@@ -118,29 +117,19 @@ class Learner:
         torch.manual_seed(cfg.training.seed)
         self.run_id = run_id_of(self.out)  # rank 0 wrote it before any rank got here (learner/main.py)
         self.resume_from = resolve_resume_checkpoint(cfg.training.resume, self.out)
-        model_cfg = cfg.model if self.resume_from is None else replace(cfg.model, path=str(self.resume_from / "model"))
-        model, tokenizer, coord_ids = load_policy(model_cfg, dist.device, cfg.training.gradient_checkpointing)
+        # A sharded (fsdp) checkpoint has no model/ directory: load model.path, checkpoint.load restores the weights.
+        hf_dir = None if self.resume_from is None else self.resume_from / "model"
+        model_cfg = replace(cfg.model, path=str(hf_dir)) if hf_dir is not None and hf_dir.is_dir() else cfg.model
+        model, tokenizer, coord_ids = load_policy(model_cfg, dist.device, cfg.training.gradient_checkpointing,
+                                                  load_device=parallel.load_device(cfg.learner, dist.device))
         self.tokenizer, self.coord_ids = tokenizer, torch.tensor(coord_ids, device=dist.device)
         self.calls = {"forward": 0, "backward": 0}  # measured by hooks, not assumed (metrics + trace)
         model.register_forward_pre_hook(lambda *_: self.calls.__setitem__("forward", self.calls["forward"] + 1))
         self.dtype = resolve_dtype(cfg.model.dtype, dist.device)
-        self.hf_model = model
-        self.optimizer, self.scheduler = build_optimizer(model, cfg.training)
-        if dist.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            # find_unused_parameters off (it costs a graph traversal per step and warned on every run): every
-            # parameter gets a gradient each step, a pack without images through forward_rows' zero vision
-            # term. Buffers (rope) are constant: no per-forward broadcast. torch >= 2.13 names that switch
-            # forward_sync_buffers; 2.11 (the GPU image) only has broadcast_buffers.
-            import inspect
-
-            no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-                       else "broadcast_buffers")
-            self.model = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                             find_unused_parameters=False, **{no_sync: False})
-        else:
-            self.model = model
+        self.hf_model = model  # under fsdp the same module, sharded in place
+        self.model = parallel.wrap(model, cfg.learner, dist.device, dist.world_size, dist.local_rank)
+        dist.initialized |= torch.distributed.is_initialized()  # a one-rank fsdp group: Dist.close tears it down
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.training)  # after wrap: fsdp's shards
         from common.tensors.encode import encoder_from_config
 
         self.encoder = encoder_from_config(cfg)  # the training thread's (one-process modes' B pipeline, bench)
@@ -186,7 +175,7 @@ class Learner:
         if ckpt is None:
             return
         state, rank_state, ledger = checkpoint.load(
-            ckpt, self.dist, model=self.hf_model, optimizer=self.optimizer, scheduler=self.scheduler
+            ckpt, self.dist, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
         )
         self.step, self.ver = int(state["global_step"]), int(state["ver"])
         self.totals.update(state["totals"])
@@ -260,11 +249,9 @@ class Learner:
 
         Returns the forwards and backwards the hooks actually saw (1 and 1; a test checks it).
         """
-        no_sync = getattr(self.model, "no_sync", None)
-        ctx = no_sync() if (no_sync is not None and not sync_grads) else contextlib.nullcontext()
         before = dict(self.calls)
         t0 = time.monotonic()
-        with ctx:
+        with parallel.grad_sync(self.model, sync_grads):
             logits = forward_rows(self.model, inp)
             if logits.requires_grad:
                 logits.register_hook(self._count_backward)
@@ -320,8 +307,11 @@ class Learner:
                 stats[f"queue_{name}"] = value
         stats["time_step"] = time.monotonic() - t_step
         self.train_seconds += stats["time_step"]
+        for name, gib in parallel.peak_memory_gb(self.dist.device).items():  # since the process started
+            stats[f"mem_peak_{name}"] = gib
         facts.update({
             "global_step": self.step + 1,
+            "learner/parallel": self.cfg.learner.parallel,
             "stage2_ab/async/ver_current": self.ver,
             "stage2_ab/async/b_ratio_realized": self.realized.value,
             "stage2_ab/async/b_ratio_realized_cumulative": self.realized.cumulative,

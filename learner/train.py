@@ -15,7 +15,8 @@ One optimizer step, every rank in lockstep; what each wait is unblocked by::
     │ GA packs: B = the reserved ones; A = the window learner/prefetch.py built during an earlier │
     │   step (exactly GA; waits only if that thread is behind: time/wait_for_a_window)            │
     │ normaliser: all_reduce(SUM) of CE tokens and boxes of every rank's GA packs                 │
-    │ GA micro-steps, ONE packed forward/backward each; no_sync on all but the last               │
+    │ GA micro-steps, ONE packed forward/backward each; gradients reduced on the last only        │
+    │   (DDP no_sync / FSDP2 requires_gradient_sync: learner/parallel.py)                         │
     │   (the last backward's gradient all-reduce waits for every rank's backward)                 │
     │ clip, AdamW step (GPU overlap: after the snapshot copy's event), LR schedule; global_step    │
     │ all_gather of this step's per-rank stats ─► rank 0 writes metrics.jsonl                     │

@@ -62,7 +62,9 @@ def make(tiny_model_dir, synth_data_dir, tmp_path, encoder):
             f"model.path={tiny_model_dir}", f"data.train_jsonl={synth_data_dir / 'train.jsonl'}",
             f"training.output_dir={tmp_path}", f"transport.base_port={free_port_block(2)}",
             "actor.metrics_every_s=0.5", "actor.learner_wait_timeout_s=10", "actor.stop_timeout_s=20",
-            "training.pack_max_wait_s=0.3", "actor.server_backoff_max_s=0.5", "learner.nproc_per_node=1", *overrides,
+            "training.pack_max_wait_s=0.3", "actor.server_backoff_max_s=0.5", "learner.nproc_per_node=1",
+            # the scenarios script server answers per call of 2 (the demo decodes 16 per call)
+            "stage2_ab.channel_b.rollout_decode_batch_size=2", "training.packing_min_fill_ratio=0.5", *overrides,
         ])
         return ActorLoop(cfg, 0, 0, encoder=encoder, client=client, config_path="configs/demo_cpu.yaml")
 

@@ -60,7 +60,8 @@ def run(tiny_model_dir, synth_data_dir, tmp_path_factory):
                f"rollout_matching.vllm.servers=[{{base_url: '{server.url}'}}]",
                "rollout_matching.decoding.max_new_tokens=16", f"actor.max_samples={MAX_SAMPLES}",
                "actor.metrics_every_s=1", "actor.dump_pack_digests=true", "training.pack_max_wait_s=0.5",
-               "actor.stop_timeout_s=30", "actor.learner_wait_timeout_s=30", "actor.lost_pack_timeout_s=5"]
+               "actor.stop_timeout_s=30", "actor.learner_wait_timeout_s=30", "actor.lost_pack_timeout_s=5",
+               "stage2_ab.channel_b.rollout_decode_batch_size=2", "training.packing_min_fill_ratio=0.5"]
         log_path = out / "actor.log"
         t0 = time.monotonic()
         with log_path.open("w") as log_f:

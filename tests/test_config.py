@@ -183,3 +183,56 @@ def test_docs_config_reference_is_generated_from_the_current_schema():
     committed = (REPO / "docs/config.md").read_text()
     assert committed.strip() == markdown_reference().strip(), (
         "docs/config.md is stale: run `make docs` (python -m common.config --markdown > docs/config.md)")
+
+
+# ------------------------------------------------------------------------------------------- multi-node
+
+TWO_NODES = ["learner.nnodes=2", "learner.rdzv_endpoint=127.0.0.1:29400", "learner.node_hosts=[127.0.0.1,127.0.0.1]"]
+TWO_MACHINES = ["learner.nnodes=2", "learner.rdzv_endpoint=10.0.0.1:29400", "learner.node_hosts=[10.0.0.1,10.0.0.2]",
+                "rollout_matching.vllm.servers=[{base_url: 'http://10.0.0.1:8000'}]"]
+
+
+def test_two_learner_nodes_load_with_the_world_size_of_both_nodes():
+    cfg = load_config(None, BASE + TWO_MACHINES + ["learner.nproc_per_node=4", "launcher.node_rank=1"])
+    assert cfg.derived.world_size == 8 and cfg.launcher.node_rank == 1
+
+
+def test_two_learner_nodes_without_rendezvous_or_node_hosts_name_both_keys():
+    probs = problems_of(BASE + ["learner.nnodes=2"])
+    assert any(p.startswith("learner.rdzv_endpoint") and "Fix: set learner.rdzv_endpoint" in p for p in probs)
+    assert any(p.startswith("learner.node_hosts") and "one address per learner node" in p for p in probs)
+
+
+@pytest.mark.parametrize("hosts", ["[127.0.0.1]", "[127.0.0.1,127.0.0.1,127.0.0.1]"])
+def test_node_hosts_must_list_exactly_one_address_per_node(hosts):
+    msg = one_problem(BASE + TWO_NODES + [f"learner.node_hosts={hosts}"], "learner.node_hosts")
+    assert "learner.nnodes = 2" in msg
+
+
+@pytest.mark.parametrize("node", ["-1", "2"])
+def test_a_node_rank_outside_the_learner_nodes_is_refused(node):
+    msg = one_problem(BASE + TWO_NODES + [f"launcher.node_rank={node}"], "launcher.node_rank")
+    assert "0..1" in msg and "learner.nnodes" in msg
+
+
+def test_a_node_rank_without_several_nodes_is_refused():
+    assert "raise learner.nnodes" in one_problem(BASE + ["launcher.node_rank=1"], "launcher.node_rank")
+
+
+def test_a_rendezvous_endpoint_without_a_port_is_refused():
+    assert "host:port" in one_problem(BASE + TWO_NODES + ["learner.rdzv_endpoint=10.0.0.1"], "learner.rdzv_endpoint")
+
+
+@pytest.mark.parametrize("mode", ["step", "micro"])
+def test_one_process_modes_on_several_nodes_point_to_async(mode):
+    msg = one_problem(BASE + TWO_NODES + [f"stage2_ab.channel_b.mode={mode}"], "learner.nnodes")
+    assert "mode: async" in msg
+
+
+def test_loopback_addresses_are_refused_when_the_learner_nodes_span_machines():
+    probs = problems_of(BASE + TWO_MACHINES + ["learner.rdzv_endpoint=127.0.0.1:29400",
+                                              "rollout_matching.vllm.servers=[{base_url: 'http://localhost:8000'}]"])
+    rdzv = [p for p in probs if p.startswith("learner.rdzv_endpoint")]
+    assert rdzv and "Fix: use node 0's address, e.g. 10.0.0.1:29400" in rdzv[0]
+    assert any(p.startswith("rollout_matching.vllm.servers[0].base_url") and "cannot reach" in p for p in probs)
+    assert load_config(None, BASE + TWO_NODES).learner.nnodes == 2  # every node on one machine: loopback is fine

@@ -82,3 +82,60 @@ def test_synchronous_modes_start_no_actor_processes(mode):
     assert set(render(cfg, "c.yaml", "gpu")["services"]) == {"rollout-server", "learner"}
     cfg = load_config(REPO / "configs/demo_cpu.yaml")
     assert [s.role for s in build_plan(cfg, "c.yaml", [], Path("/tmp/logs"))].count("actor") == 2  # async: per rank
+
+
+TWO_NODES = ["learner.nnodes=2", "learner.nproc_per_node=2", "learner.rdzv_endpoint=10.0.0.1:29400",
+             "learner.node_hosts=[10.0.0.1,10.0.0.2]",
+             "rollout_matching.vllm.servers=[{base_url: 'http://10.0.0.1:8310'}]",
+             "rollout_server.host=0.0.0.0", "rollout_server.auth_token=secret"]
+
+
+def two_node_config(node):
+    return load_config(REPO / "configs/demo_cpu.yaml", [*TWO_NODES, f"launcher.node_rank={node}"])
+
+
+def test_each_learner_node_plans_its_own_ranks_and_actors_and_only_node_0_the_server():
+    plans = {node: build_plan(two_node_config(node), "c.yaml", [], Path(f"/tmp/logs/node{node}")) for node in (0, 1)}
+    assert [s.name for s in plans[0]] == ["rollout_server", "learner", "actor_r0_0", "actor_r1_0"]
+    assert [s.name for s in plans[1]] == ["learner", "actor_r2_0", "actor_r3_0"]
+    torchrun = {node: next(s.argv for s in plan if s.role == "learner") for node, plan in plans.items()}
+    for node, argv in torchrun.items():
+        assert {"--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2", "--rdzv_backend=static",
+                "--rdzv_endpoint=10.0.0.1:29400"} <= set(argv) and "--standalone" not in argv
+    rdzv_ids = {node: [a for a in argv if a.startswith("--rdzv_id=")] for node, argv in torchrun.items()}
+    assert rdzv_ids[0] == rdzv_ids[1] and len(rdzv_ids[0]) == 1  # both nodes join the same rendezvous
+
+
+def test_a_launcher_of_several_learner_nodes_needs_its_node_rank():
+    cfg = load_config(REPO / "configs/demo_cpu.yaml", TWO_NODES)
+    with pytest.raises(PlanError, match=r"launcher\.node_rank=k` on each node k = 0\.\.1"):
+        build_plan(cfg, "c.yaml", [], Path("/tmp/logs"))
+
+
+def test_node_0_refuses_a_loopback_server_that_the_other_nodes_actors_must_reach():
+    cfg = load_config(REPO / "configs/demo_cpu.yaml", [*TWO_NODES[:-2], "launcher.node_rank=0"])
+    with pytest.raises(PlanError, match="rollout_server.host = '127.0.0.1'"):
+        build_plan(cfg, "c.yaml", [], Path("/tmp/logs"))
+    assert build_plan(cfg, "c.yaml", [], Path("/tmp/logs"), start_server=False)[0].role == "learner"  # --no-server
+
+
+def test_per_node_compose_files_split_the_services_like_the_launcher():
+    files = {node: render(two_node_config(node), "c.yaml", "cpu", ["x.y=1"]) for node in (0, 1)}
+    assert set(files[0]["services"]) == {"rollout-server", "learner", "actor-r0-0", "actor-r1-0"}
+    assert set(files[1]["services"]) == {"learner", "actor-r2-0", "actor-r3-0"}
+    assert files[0]["name"] != files[1]["name"]
+    node1 = files[1]["services"]
+    assert "--node_rank=1" in node1["learner"]["command"] and "x.y=1" in node1["actor-r2-0"]["command"]
+    assert not any("depends_on" in service for service in node1.values())  # no server service on node 1
+
+
+def test_launcher_dry_run_of_several_nodes_without_a_node_rank_exits_2_naming_the_key(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "launcher", "--config", "configs/demo_cpu.yaml", "--dry-run",
+                          f"training.output_dir={tmp_path / 'run'}", *TWO_NODES], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "launcher.node_rank" in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, "-m", "launcher", "--config", "configs/demo_cpu.yaml", "--dry-run",
+                          f"training.output_dir={tmp_path / 'run'}", *TWO_NODES, "launcher.node_rank=1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "learner node 1 of 2" in res.stdout and "[rollout_server]" not in res.stdout
+    assert "[actor_r2_0]" in res.stdout and "[actor_r0_0]" not in res.stdout

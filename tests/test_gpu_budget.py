@@ -163,3 +163,59 @@ def test_the_check_is_skipped_with_a_warning_where_it_cannot_be_made(tmp_path, m
     assert "cannot read the shape of model.path" in caplog.text
     with pytest.raises(PlanError, match="training.global_max_length"):
         build_plan(cfg, str(ONE_GPU), [], tmp_path / "logs")
+
+
+# --------------------------------------------------------------------------------------------- learner.parallel: fsdp
+
+FSDP_7B = REPO / "configs/gpu/fsdp_7b_1gpu.yaml"
+# The 7b preset of tools/make_tiny_model.py, counted on the meta device by FSDP2 unit: a decoder layer is the largest
+# block (233 M); the root holds the untied embeddings and lm_head, the final norm, the patch embedding and the merger.
+PRESET_7B = G.ModelShape(num_params=7_216_851_968, layers=28, hidden=3584, intermediate=18944, vocab=2048,
+                         vision_layers=32, vision_hidden=1280, vision_intermediate=3420,
+                         largest_block=233_057_792, root_params=60_763_392)
+
+
+def test_the_fsdp_units_come_from_the_safetensors_headers_by_block(tmp_path):
+    d = model_dir_05b(tmp_path / "m")
+    write_headers_only(d / "model.safetensors", {
+        "model.language_model.layers.0.mlp.up_proj.weight": [10, 4], "model.language_model.layers.0.norm.weight": [4],
+        "model.language_model.layers.1.mlp.up_proj.weight": [3, 4], "model.visual.blocks.0.attn.qkv.weight": [12, 4],
+        "model.visual.merger.mlp.0.weight": [5], "model.language_model.embed_tokens.weight": [7, 4],
+    })
+    shape = G.model_shape(d)
+    assert (shape.largest_block, shape.root_params, shape.num_params) == (48, 33, 44 + 12 + 48 + 33)
+    assert shape.fsdp_units() == (48, 33)
+    # without the headers' grouping (a hand-made shape) the units are estimated from the shapes
+    block, root = PRESET_05B.fsdp_units()
+    assert 16_000_000 < block < 20_000_000 and root < PRESET_05B.num_params // 100
+
+
+def test_fsdp_divides_the_training_state_by_the_world_size_and_drops_ddps_buckets():
+    ddp = G.learner_need(load_config(ONE_GPU, ["stage2_ab.channel_b.async.sync_mode=blocking"]), PRESET_05B)
+    two = load_config(ONE_GPU, ["stage2_ab.channel_b.async.sync_mode=blocking", "learner.parallel=fsdp",
+                                "learner.nproc_per_node=2", "learner.gpus=[0,1]"])
+    fsdp = G.learner_need(two, PRESET_05B)
+    p = PRESET_05B.num_params
+    assert fsdp["weights (shard)"] + fsdp["gradients (shard)"] + fsdp["AdamW state (shard)"] == 8 * p // 2
+    assert "DDP buckets" not in fsdp and "weights" not in fsdp
+    assert fsdp["unsharded gradients"] == 2 * p  # GA 2: accumulated unsharded until the last micro-step
+    assert sum(fsdp.values()) < sum(ddp.values())
+
+
+def test_fsdp_with_cpu_offload_counts_only_the_gathered_blocks_their_gradients_and_activations():
+    cfg = load_config(FSDP_7B)
+    need = G.learner_need(cfg, PRESET_7B)
+    assert not {"weights", "weights (shard)", "gradients (shard)", "AdamW state", "unsharded gradients"} & need.keys()
+    block, root = 233_057_792, 60_763_392
+    assert need["gathered parameters"] == 2 * (2 * block + root)  # bf16 blocks: this one and the prefetched one
+    assert need["unsharded block gradients"] == 4 * (block + root)  # reduce_dtype float32
+    kept = G.learner_need(load_config(FSDP_7B, ["learner.fsdp.reshard_after_forward=false"]), PRESET_7B)
+    assert kept["gathered parameters"] == 2 * PRESET_7B.num_params  # ZeRO-2: every block stays gathered
+
+
+def test_the_7b_fsdp_offload_config_fits_an_80_gb_h100_beside_its_server_and_ddp_would_not():
+    assert G.refusal(load_config(FSDP_7B), PRESET_7B, H100, [0]) is None
+    why = G.refusal(load_config(FSDP_7B, ["learner.parallel=ddp"]), PRESET_7B, H100, [0])
+    assert why is not None and "learner.parallel: fsdp with learner.fsdp.cpu_offload: true" in why
+    why = G.refusal(load_config(FSDP_7B, ["learner.fsdp.cpu_offload=false"]), PRESET_7B, H100, [0])
+    assert why is not None and "AdamW state (shard) 26.9 GiB" in why  # one rank holds every shard

@@ -6,6 +6,12 @@
 * GPU (``-m gpu``, 2 GPUs): a real hf rollout server on GPU 0 receives from this process on GPU 1
   over NCCL; the served fingerprint and the greedy outputs equal the learner's; a server frozen
   mid-sync becomes a SyncError within the deadline, not a hang.
+* GPU, FSDP2 (``learner.parallel: fsdp``; the worker and its assertions are tests/test_sync_fsdp.py's,
+  which runs the 2-rank CPU version): a 1-rank sharded learner, its shards on the GPU or offloaded
+  to the host, pushes bucket by bucket gathered on the GPU, cast to the server's bfloat16 before the
+  gather: over CUDA IPC and HTTP to an hf server on the same GPU (1 GPU), in blocking and overlap
+  mode, and over NCCL to a server on another GPU (2 GPUs); the served digest equals torch's own full
+  state dict's.
 
 Run the GPU part on a GPU machine: ``make test-gpu`` (docs/gpu.md).
 """
@@ -154,3 +160,39 @@ def test_a_server_frozen_mid_sync_is_a_sync_error_within_the_deadline_not_a_hang
         assert err.value.phase in ("update", "wire"), err.value
         assert sender._group is None, "a group that saw a dead peer must be dropped"
         sender.close()
+
+
+# ------------------------------------------------------------------------------------ GPU: sharded (FSDP2) learner
+
+
+def _sharded_push(tiny_model_dir: Path, tmp_path: Path, offload: bool, transports: str, overlap: str,
+                  server_gpu: str, learner_gpu: str) -> dict:
+    """Scenario ``land`` of tests/test_sync_fsdp.py with one rank on ``learner_gpu``; rank 0's results."""
+    from tests.test_sync_fsdp import _run
+
+    with rollout_server_process(tiny_model_dir, ["rollout_server.device=cuda"],  # auto: bfloat16 on CUDA
+                                env={"CUDA_VISIBLE_DEVICES": server_gpu}, deadline_s=120) as srv:
+        (r0,) = _run(tmp_path, "land", [srv.url], tiny_model_dir, nproc=1, env={"CUDA_VISIBLE_DEVICES": learner_gpu},
+                     extra=["--device=cuda", f"--transports={transports}", f"--overlap-transport={overlap}",
+                            *(["--offload"] if offload else [])])
+    for push in [*transports.split(","), "overlap"]:
+        r = r0[push]
+        assert r["ok"] and r["served"]["digests"] == [r["expected"]["digest"]], (push, r)
+        assert r["gathers"] == r["expected"]["n_served"], (push, r["gathers"])
+    assert r0["overlap"]["served"]["digests"] != [r0["overlap"]["moved_on"]["digest"]], "the snapshot's weights"
+    return r0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run `make test-gpu` on a GPU machine")
+@pytest.mark.parametrize("offload", [False, True], ids=["shards-on-gpu", "cpu-offload"])
+def test_a_sharded_learner_on_one_gpu_lands_bit_exact_over_cuda_ipc_and_http(tiny_model_dir, tmp_path, offload):
+    _sharded_push(tiny_model_dir, tmp_path, offload, "http,ipc", "ipc", server_gpu="0", learner_gpu="0")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("offload", [False, True], ids=["shards-on-gpu", "cpu-offload"])
+def test_a_sharded_learner_lands_bit_exact_over_nccl_gathering_on_the_broadcast_thread(tiny_model_dir, tmp_path,
+                                                                                      offload):
+    _sharded_push(tiny_model_dir, tmp_path, offload, "nccl", "nccl", server_gpu="0", learner_gpu="1")

@@ -34,12 +34,15 @@ pytestmark = pytest.mark.slow
 N, M = 2, 2
 
 
-def train(cfg_path, log_path, pool, max_steps: int, resume: bool):
+def train(cfg_path, log_path, pool, max_steps: int, resume: bool | str):
+    """A 2-rank learner run with fake actors; ``resume``: False (fresh), True (auto) or a checkpoint path."""
     cfg = load_config(cfg_path, world_size=2)
     actors = [FakeActor(cfg.transport, r, pool, keep_at_target) for r in (0, 1)]
     for a in actors:
         a.start()
-    overrides = [f"training.max_steps={max_steps}"] + (["training.resume=auto"] if resume else [])
+    overrides = [f"training.max_steps={max_steps}"]
+    if resume:
+        overrides.append(f"training.resume={'auto' if resume is True else resume}")
     proc = launch_learner(cfg_path, log_path, nproc=2, overrides=overrides)
     try:
         rc = proc.wait(240, f"the 2-rank learner ({'resumed' if resume else 'fresh'}, {max_steps} steps)")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
-from common.config import TransportConfig
+from common.config import LearnerConfig, TransportConfig
 from common.segment import Pack
 from common.transport import (
     ActorTally,
@@ -18,6 +18,7 @@ from common.transport import (
     PackSender,
     TransportTimeout,
     credit_endpoint,
+    learner_host,
     pack_endpoint,
 )
 from common.wire import encode_credits, frames_to_pack, pack_to_frames
@@ -60,6 +61,37 @@ def test_endpoints_of_every_rank_come_from_one_function_and_never_collide():
     assert len(set(all_endpoints)) == len(all_endpoints)
     with pytest.raises(ValueError, match="rank"):
         pack_endpoint(cfg, -1)
+
+
+def test_each_rank_is_addressed_on_its_learner_nodes_host_with_ports_by_global_rank():
+    cfg = TransportConfig(host="127.0.0.1", base_port=5600)
+    two_nodes = LearnerConfig(nproc_per_node=2, nnodes=2, node_hosts=["10.0.0.1", "10.0.0.2"])
+    assert [learner_host(cfg, r, two_nodes) for r in range(4)] == ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
+    assert pack_endpoint(cfg, 1, two_nodes) == "tcp://10.0.0.1:5602"
+    assert pack_endpoint(cfg, 2, two_nodes) == "tcp://10.0.0.2:5604"  # global rank: node 1's first rank
+    assert credit_endpoint(cfg, 3, two_nodes) == "tcp://10.0.0.2:5607"
+    assert pack_endpoint(cfg, 3, LearnerConfig(nproc_per_node=4)) == "tcp://127.0.0.1:5606"  # one node: transport.host
+    assert pack_endpoint(cfg, 0, LearnerConfig(node_hosts=["fd00::1"])) == "tcp://[fd00::1]:5600"
+    with pytest.raises(ValueError, match="learner.node_hosts lists 2 nodes"):
+        pack_endpoint(cfg, 4, two_nodes)
+
+
+def test_a_rank_binds_only_its_nodes_address_so_a_pack_aimed_at_another_node_is_not_accepted(cfg, ctx):
+    """Two "nodes" on one machine (127.0.0.1 and 127.0.0.2 are both loopback on Linux): rank 1 of node 1
+    binds 127.0.0.2 only; its actor, addressed by the same function, reaches it; a sender aimed at node 0's
+    address for rank 1's port finds nobody."""
+    nodes = LearnerConfig(nproc_per_node=1, nnodes=2, node_hosts=["127.0.0.1", "127.0.0.2"])
+    receiver = PackReceiver(pack_endpoint(cfg, 1, nodes), hwm=cfg.hwm, ctx=ctx)
+    sender = PackSender(pack_endpoint(cfg, 1, nodes), hwm=cfg.hwm, ctx=ctx)
+    stray = PackSender(pack_endpoint(cfg, 1), hwm=cfg.hwm, ctx=ctx)  # transport.host = 127.0.0.1
+    try:
+        assert receiver.endpoint.startswith("tcp://127.0.0.2:")
+        assert sender.send(pack_to_frames(a_pack(), "actor-r1-0", 0), timeout_s=5.0)
+        assert frames_to_pack(recv_within(receiver, 5.0))[0].actor == "actor-r1-0"
+        assert not stray.send(pack_to_frames(a_pack(), "stray", 0), timeout_s=0.5)
+    finally:
+        for sock in (stray, sender, receiver):
+            sock.close()
 
 
 def test_a_pack_round_trips_bit_identical_through_push_and_pull(cfg, ctx):

@@ -9,6 +9,7 @@
     http.py       HttpWeightSender: packed buckets over HTTP (portable: CPU, any engine)
     ipc.py        IpcWeightSender: the server copies from the learner's shared buffer (same GPU: CUDA IPC)
     nccl.py       NcclWeightSender: packed broadcasts on a dedicated NCCL group (GPU, vLLM or hf engine)
+    sharded.py    FSDP2 weights: the bucket plan every rank follows, gathers just in time, the running fingerprint
 
 :func:`make_sender` picks the transport for one server. A new transport is a ``PushSender`` subclass
 with its ``_send`` (and the hooks it needs) plus one branch here.

@@ -13,6 +13,13 @@ Every sender pushes the learner's weights to one rollout server the same way::
     on any failure after open: /sync/abort (best effort), the server keeps its old weights and ver
     check     the server's fingerprint equals ours
 
+Sharded weights (a :class:`learner.sync.sharded.ShardedWeights` as ``named_tensors``, FSDP2): the plan
+uses the global shapes; after ``begin`` the bucket plan is announced to every learner rank, each
+bucket is gathered just in time when the transport asks for it (:meth:`PushSender._bucket`), and the
+fingerprint is sampled from the gathered tensors as they go and sent at ``commit`` (no second
+gather). Whatever fails, the remaining gathers still run (``ShardedWeights.finish``), so the other
+ranks never wait for a collective that does not come (learner/sync/sharded.py).
+
 :class:`PushSender` writes this protocol once; a transport implements :meth:`PushSender._send`
 (and, where it needs them, ``_open``, ``_prepare`` and ``_failed``). :class:`WeightSender` is the
 interface the learner's sync boundary (``learner/sync/boundary.py``) holds; ``learner.sync.make_sender``
@@ -35,6 +42,7 @@ import torch
 from common.protocol import SyncInitResponse
 from common.tensors import weights as W
 from learner.sync.control import SyncClient, SyncError, SyncSession
+from learner.sync.sharded import BucketGather, ShardedWeights
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +131,11 @@ class PushSender(abc.ABC):
     """The push protocol of the module docstring over a :class:`SyncClient`; transports fill in ``_send``."""
 
     transport = "?"
+    #: Where a transport stages bytes when the weights do not say (FSDP2: the gather device, also for the
+    #: overlap mode's host snapshot, so NCCL and CUDA IPC still go through the learner's GPU). None: the tensors'.
+    transfer_device: torch.device | None = None
+    _sharded: ShardedWeights | None = None  # during a sharded push
+    _gathered: BucketGather | None = None  # during a sharded push, once its plan is announced
 
     def __init__(self, base_url: str, *, auth_token: str | None = None, timeout_s: float = 300.0,
                  client_id: str | None = None, connect_timeout_s: float = 10.0) -> None:
@@ -161,6 +174,21 @@ class PushSender(abc.ABC):
     def _failed(self, exc: BaseException) -> None:
         """A push failed after open (before the abort is sent): drop transport state that may be broken."""
 
+    def _bucket(self, k: int, idx: list[int], planned: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Bucket ``k``'s tensors (``planned`` indices ``idx``, the shared cut): the planned tensors themselves, or,
+        in a sharded push, gathered now on every rank (in the serving dtype). Transports ask in bucket order."""
+        if self._gathered is None:
+            return [planned[i][1] for i in idx]
+        return self._gathered.get(k, idx)
+
+    def _device(self, named: list[tuple[str, torch.Tensor]]) -> torch.device:
+        """Where this push's bytes are staged: :attr:`transfer_device` if set, else the weights' GPU if any."""
+        if self._sharded is not None:
+            return self._sharded.device
+        if self.transfer_device is not None:
+            return self.transfer_device
+        return next((t.device for _, t in named if t.is_cuda), torch.device("cpu"))
+
     # -------------------------------------------------------------- the protocol
 
     def push(self, named_tensors: Named, bucket_bytes: int = 512 << 20, fence: str = "drain",
@@ -175,19 +203,30 @@ class PushSender(abc.ABC):
         """
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
+        sharded = named_tensors if isinstance(named_tensors, ShardedWeights) else None
         named = list(named_tensors)
-        session = self._open(bucket_bytes, named, deadline, weight_load)
+        self._sharded, self._gathered = sharded, None
+        try:
+            session = self._open(bucket_bytes, named, deadline, weight_load)
+        except BaseException:
+            self._end_sharded()  # announces "nothing to gather" to the other ranks
+            raise
         try:
             planned = plan(session.info, named)
             dtypes = {s.name: s.dtype for s in session.info.manifest}
-            fp = W.fingerprint(planned, dtypes)  # of the tensors as the server will hold them
+            # of the tensors as the server will hold them; sharded: sampled from the gathered buckets while sending
+            fp = W.fingerprint(planned, dtypes) if sharded is None else None
             prepared = self._prepare(session, planned, dtypes, bucket_bytes)
             t1 = time.monotonic()
             begun = session.begin(fence)
             t2 = time.monotonic()
             if on_phase is not None:
                 on_phase("begun")
+            if sharded is not None:
+                self._gathered = BucketGather(sharded, planned, dtypes, bucket_bytes)  # the plan, to every rank
             sent = self._send(session, planned, prepared, bucket_bytes, deadline)
+            if self._gathered is not None:
+                fp = self._gathered.fingerprint.hexdigest()
             t3 = time.monotonic()
             done = session.commit(fp, min_ver)
             t4 = time.monotonic()
@@ -198,6 +237,8 @@ class PushSender(abc.ABC):
             except Exception as abort_exc:  # noqa: BLE001 - the server's idle timeout is the backstop
                 log.warning("could not abort sync session %s: %s", session.id, abort_exc)
             raise
+        finally:
+            self._end_sharded()  # after the abort: the fence reopens first, then the remaining gathers run
         if done.fingerprint != fp:  # the server compared too; this catches a server that did not
             raise SyncError("commit", f"server fingerprint {done.fingerprint} != learner {fp}")
         report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
@@ -209,3 +250,9 @@ class PushSender(abc.ABC):
                  report.bytes / 1e6, report.fence_s, report.wire_s, report.bytes / max(report.wire_s, 1e-9) / 1e9,
                  report.commit_s, report.fingerprint)
         return report
+
+    def _end_sharded(self) -> None:
+        """Sharded push: drive the gathers the transport did not (the other ranks are in them), then forget it."""
+        sharded, self._sharded, self._gathered = self._sharded, None, None
+        if sharded is not None:
+            sharded.finish()

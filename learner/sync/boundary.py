@@ -9,6 +9,19 @@
     every rank: barrier("after the push")                      unblocked when rank 0 returns (or fails)
     every rank: broadcast [ver, ok] from rank 0                every rank adopts the same ver before the next decision
 
+Under FSDP2 (``learner.parallel: fsdp``; learner/sync/sharded.py) no rank holds the full weights, so
+the push runs on every rank between the two barriers, per server::
+
+    rank 0:     init → plan (global shapes) → begin (fence)   ranks > 0: wait in the plan broadcast
+    every rank: broadcast the bucket plan from rank 0          (an empty plan if rank 0 failed before the fence,
+                                                                 or for a server after a failed one)
+    every rank: per bucket: all-gather its tensors (cast to    rank 0 sends the bucket, samples the fingerprint;
+                the serving dtype first), in plan order         the others drop it
+    rank 0:     a send failed (5xx, timeout, server gone):     sending stops, gathering does not: every rank
+                keep gathering the remaining buckets, unsent    issues the same collectives whatever fails
+    rank 0:     commit with the fingerprint of what was sent   (no second gather) or abort
+    every rank: barrier, broadcast [ver, ok] as above          still the one source of ver
+
 ``sync_mode: overlap`` (async mode only). The start-up sync is the blocking one above (server and
 learner agree before the first step). Then, at EVERY step boundary, every rank::
 
@@ -19,6 +32,8 @@ learner agree before the first step). Then, at EVERY step boundary, every rank::
                   push busy: deferred (sync/deferred += 1); it starts at the first boundary the thread is idle
     every rank: broadcast [ver, outcome, started, deferred, in_flight] from rank 0   one tiny collective, every step
     every rank: adopt ver (queue.set_ver) when an outcome came; count attempts/successes/failures/deferred alike
+    started:    the snapshot is taken after the broadcast; under FSDP2 every rank all-gathers each weight in turn
+                and rank 0 copies it into its host snapshot (pinned on a CUDA host), then starts the thread
 
 No barrier surrounds the push: every rank trains on while rank 0's thread pushes. A push that
 commits during step s becomes the learner's ver at the boundary before step s + 1 (the first one
@@ -32,8 +47,8 @@ deadline) and adopts its outcome; the learner calls it before a checkpoint, so t
 is the server's.
 
 Only rank 0 constructs a client, a snapshot or a thread, or opens a connection; the other ranks only
-take part in the collectives (no rank-dependent branch around a collective: the collectives of
-either mode run on every rank whatever happens on rank 0).
+take part in the collectives, FSDP2's gathers included (no rank-dependent branch around a collective:
+the collectives of either mode run on every rank whatever happens on rank 0).
 
 A failed or timed-out push (server down, 409, 5xx, deadline) is **not fatal**: rank 0 logs the
 error naming the server URL and the command that starts it, counts ``sync/failures``, and every
@@ -61,6 +76,7 @@ import torch
 from learner.distributed import Dist
 from learner.sync import WeightSender, make_sender
 from learner.sync.overlap import ABORT_GRACE_S, BackgroundPush, WeightSnapshot
+from learner.sync.sharded import GatherError, ShardedWeights
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +93,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF parameter names and tensors, tied parameters once (under the name ``named_parameters`` keeps)."""
+    """HF parameter names and tensors, tied parameters once (under the name ``named_parameters`` keeps).
+    Under FSDP2 the tensors are the sharded DTensors (nothing gathered)."""
     for name, p in unwrap(model).named_parameters():
         yield name, p.detach()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """The learner shards the model with FSDP2 (``learner.parallel: fsdp``): the sync gathers on every rank."""
+    from learner.parallel import is_fsdp
+
+    return is_fsdp(model)
 
 
 @dataclass
@@ -114,6 +138,8 @@ class WeightSync:
         self.last_sync_step: int | None = None
         self.counts = {"sync/attempts": 0, "sync/successes": 0, "sync/failures": 0, "sync/deferred": 0}
         self.client_calls = 0  # pushes this rank issued (stays 0 on every rank but 0)
+        self.gathers = 0  # all-gathers of sharded weights this rank took part in (FSDP2; every rank)
+        self.transfer_device: torch.device | None = None  # FSDP2: the gather device, where senders stage bytes
         self.snapshot: WeightSnapshot | None = None
         self.pusher: BackgroundPush | None = None
         if self.mode == "overlap" and dist.is_main:
@@ -174,7 +200,24 @@ class WeightSync:
                                  client_id=f"learner-rank{self.dist.rank}@{socket.gethostname()}:{os.getpid()}")
             log.info("weight sync to %s over %s", base_url, sender.transport)
             self._senders[base_url] = sender
-        return self._senders[base_url]
+        sender = self._senders[base_url]
+        if self.transfer_device is not None:
+            sender.transfer_device = self.transfer_device  # type: ignore[attr-defined]
+        return sender
+
+    def _sharded_source(self, model: torch.nn.Module) -> ShardedWeights:
+        """One server's walk over the sharded weights (learner/sync/sharded.py); same order on every rank."""
+        source = ShardedWeights(list(named_weights(model)), self.dist)
+        self.transfer_device = source.device
+        return source
+
+    def _follow(self, model: torch.nn.Module) -> None:
+        """Ranks > 0 under FSDP2: take part in rank 0's gathers, one plan per server (rank 0 announces an
+        empty plan for a server it does not push to), whatever the push's outcome."""
+        for _ in self.servers:
+            source = self._sharded_source(model)
+            source.follow()
+            self.gathers += source.gathers
 
     def run(self, model: torch.nn.Module, step: int, ver: int) -> SyncResult:
         """One blocking sync at the boundary before optimizer step ``step``; returns the ver every rank adopts."""
@@ -183,9 +226,13 @@ class WeightSync:
         t0 = time.monotonic()
         self.dist.barrier(f"weight-sync barrier before rank 0's push (step {step})")
         new_ver, ok, metrics = ver, 0, {}
+        sharded = is_sharded(model)
         if self.dist.is_main:
             self.client_calls += len(self.servers)
-            new_ver, ok, metrics = self._push_all(lambda: named_weights(model), step, ver)
+            new_ver, ok, metrics = self._push_all(
+                (lambda: self._sharded_source(model)) if sharded else (lambda: named_weights(model)), step, ver)
+        elif sharded:
+            self._follow(model)
         self.dist.barrier(f"weight-sync barrier after rank 0's push (step {step}; rank 0 talks to {self.servers})")
         new_ver, ok = self.dist.broadcast([new_ver, ok], f"ver broadcast after the weight sync (step {step})")
         self.counts["sync/successes" if ok else "sync/failures"] += 1
@@ -207,19 +254,17 @@ class WeightSync:
                 metrics.update(done.metrics)
                 metrics["sync/steps_during_push"] = done.steps_during
             if start and self.due(step):
-                if self.pusher.busy:
-                    deferred = 1
-                else:
-                    t0 = time.monotonic()
-                    tensors = self.snapshot.take(list(named_weights(model)))
-                    self.pusher.start(tensors, step, new_ver, self.snapshot.reading)
-                    self.client_calls += len(self.servers)
-                    metrics["time/sync_snapshot"] = time.monotonic() - t0
-                    started = 1
-            in_flight = int(self.pusher.busy)
+                deferred, started = (1, 0) if self.pusher.busy else (0, 1)
+            in_flight = int(self.pusher.busy) | started
         new_ver, outcome, started, deferred, in_flight = self.dist.broadcast(
             [new_ver, outcome, started, deferred, in_flight], f"overlap weight-sync state broadcast (step {step})")
-        if started:
+        if started:  # after the broadcast: under FSDP2 the snapshot is a gather on every rank
+            t0 = time.monotonic()
+            tensors = self._snapshot(model)
+            if self.dist.is_main:
+                self.pusher.start(tensors, step, new_ver, self.snapshot.reading)
+                self.client_calls += len(self.servers)
+                metrics["time/sync_snapshot"] = time.monotonic() - t0
             self.last_sync_step = step
             self.counts["sync/attempts"] += 1
         self.counts["sync/deferred"] += deferred
@@ -228,17 +273,45 @@ class WeightSync:
         metrics.update({"sync/in_flight": in_flight, "sync/started": started})
         return SyncResult(ok=outcome == 1, ver=new_ver, metrics=metrics, finished=bool(outcome), weights_step=weights_step)
 
+    def _snapshot(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The overlap push's copy of the weights. FSDP2: every rank gathers each weight in turn and rank 0
+        copies it into its host staging tensors (pinned on a CUDA host); else rank 0 copies its own."""
+        if not is_sharded(model):
+            return self.snapshot.take(list(named_weights(model))) if self.dist.is_main else []
+        source = self._sharded_source(model)
+        tensors: list[tuple[str, torch.Tensor]] = []
+        if self.dist.is_main:
+            tensors = self.snapshot.take_gathered(source.named, source.each())
+        else:
+            for _ in source.each():  # take part in every gather, keep nothing
+                pass
+        self.gathers += source.gathers
+        return tensors
+
     def _push_all(self, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], step: int,
                   ver: int) -> tuple[int, int, dict[str, float]]:
+        """Rank 0 (or its push thread): push to every server in turn; the first failure ends the sync.
+
+        Sharded weights: ``tensors()`` makes a :class:`ShardedWeights` per server; every one of them is
+        announced and walked to its end (an empty plan for a server not pushed to), so the other ranks'
+        :meth:`_follow` sees one plan per server whatever fails. A failed gather is fatal (GatherError).
+        """
         metrics = {"time/sync_fence": 0.0, "time/sync_wire": 0.0, "time/sync_commit": 0.0}
         vers: list[int] = []
         floor = ver + 1  # ver continues from max(server ver, learner/checkpoint ver) + 1; servers converge
-        for url in self.servers:
+        for i, url in enumerate(self.servers):
             t_push = time.monotonic()
+            source = tensors()
             try:
-                report = self._sender(url).push(tensors(), bucket_bytes=self.bucket_bytes, fence=self.fence,
+                report = self._sender(url).push(source, bucket_bytes=self.bucket_bytes, fence=self.fence,
                                                 min_ver=floor)
+            except GatherError:
+                raise
             except Exception as exc:  # noqa: BLE001 - any failure of the sync keeps training alive (module docstring)
+                for skipped in [source] + [tensors() for _ in self.servers[i + 1:]]:
+                    if isinstance(skipped, ShardedWeights):
+                        skipped.finish()  # no-op if the push walked it; else an empty plan for the other ranks
+                        self.gathers += skipped.gathers
                 stale = self._senders.pop(url, None)  # a fresh sender (and connection) next time
                 if stale is not None:
                     stale.close()
@@ -249,6 +322,8 @@ class WeightSync:
                     url, step, time.monotonic() - t_push, self.timeout_s, type(exc).__name__, exc, ver, hint,
                 )
                 return ver, 0, metrics
+            if isinstance(source, ShardedWeights):
+                self.gathers += source.gathers
             vers.append(int(report.ver))  # the client logged the phases and both fingerprints
             floor = max(floor, int(report.ver))
             metrics["time/sync_fence"] += report.fence_s

@@ -9,6 +9,7 @@ serving dtype straight into one reusable host buffer (pinned when the weights ar
 ``/sync/bucket`` calls cut by the shared packing rule (:mod:`common.tensors.packed`): raw bytes, the
 layout in the header, no per-tensor framing. It is the portable path: any host, any engine, no
 collective library. ``bench/bench_http_sync.py`` measures it against a raw loopback socket.
+Sharded weights (FSDP2) are gathered one bucket at a time just before it is packed (``PushSender._bucket``).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ class HttpWeightSender(PushSender):
               bucket_bytes: int, deadline: float) -> Sent:
         dtypes = {s.name: s.dtype for s in session.info.manifest}
         buckets = P.bucket_plan(planned, dtypes, bucket_bytes)
-        tensors = dict(planned)
-        on_gpu = any(t.is_cuda for t in tensors.values())
+        pos = {name: i for i, (name, _) in enumerate(planned)}
+        on_gpu = self._device(planned).type == "cuda"
         buf = self._buffer(max(P.nbytes_of(b) for b in buckets), pinned=on_gpu)
-        for layout in buckets:
+        for k, layout in enumerate(buckets):
             n = P.nbytes_of(layout)
-            P.pack_into(buf[:n], [tensors[e[0]] for e in layout], layout)
+            P.pack_into(buf[:n], self._bucket(k, [pos[e[0]] for e in layout], planned), layout)
             if on_gpu:
                 torch.cuda.synchronize()  # the pinned copies ran on the device's stream
             session.send_packed(layout, memoryview(buf[:n].numpy()))

@@ -13,6 +13,7 @@ device) and answers, and the next bucket reuses the buffer. The protocol (fence,
 commit, abort on failure) is :class:`learner.sync.base.PushSender`'s, as for every transport.
 
 The buffer holds one bucket (``bucket_bytes`` or the largest tensor): it is the learner's extra memory.
+Sharded weights (FSDP2) are gathered one bucket at a time just before it is packed (``PushSender._bucket``).
 """
 
 from __future__ import annotations
@@ -48,12 +49,11 @@ class IpcWeightSender(PushSender):
               bucket_bytes: int, deadline: float) -> Sent:
         dtypes = {s.name: s.dtype for s in session.info.manifest}
         buckets = P.bucket_plan(planned, dtypes, bucket_bytes)
-        tensors = dict(planned)
-        devices = {t.device for t in tensors.values()}
-        device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        pos = {name: i for i, (name, _) in enumerate(planned)}
+        device = self._device(planned)  # sharded: the gather device
         buf = self._buffer(max(P.nbytes_of(b) for b in buckets), device)
-        for layout in buckets:
-            P.pack_into(buf.tensor[:P.nbytes_of(layout)], [tensors[e[0]] for e in layout], layout)
+        for k, layout in enumerate(buckets):
+            P.pack_into(buf.tensor[:P.nbytes_of(layout)], self._bucket(k, [pos[e[0]] for e in layout], planned), layout)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the server reads the bytes from another process
             session.send_ipc(layout, buf.describe())

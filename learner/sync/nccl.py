@@ -31,7 +31,9 @@ the group is then dropped (aborted where the backend can) and the next push buil
 fresh port. Any failure after ``/sync/init`` sends a best-effort ``/sync/abort``.
 
 The push protocol around the transfer (plan, fingerprint, fence, commit, abort) is
-:class:`learner.sync.base.PushSender`'s; this module adds the group and the broadcasts.
+:class:`learner.sync.base.PushSender`'s; this module adds the group and the broadcasts. Sharded
+weights (FSDP2): the broadcast thread gathers each chunk just before casting it (every learner rank
+takes part; learner/sync/sharded.py), so one chunk, not the model, is whole on rank 0's GPU at a time.
 
 What this module does not know: when to sync (``learner/sync/boundary.py``) or how the server stages weights.
 """
@@ -140,7 +142,7 @@ class NcclWeightSender(PushSender):
     def _open(self, bucket_bytes: int, named: list[tuple[str, torch.Tensor]], deadline: float,
               weight_load: str | None) -> SyncSession:
         """``/sync/init``; the first time (or after a drop) also builds the group, concurrently with it."""
-        device = named[0][1].device if named else torch.device("cpu")
+        device = self._device(named)  # sharded (FSDP2): the gather device, even when the shards live on the host
         had_group = self._group is not None
         try:
             return self._open_group(bucket_bytes, device, deadline, weight_load)
@@ -206,18 +208,21 @@ class NcclWeightSender(PushSender):
         chunks = W.packed_chunks([end - begin for begin, end in header.offsets], bucket_bytes)
         tensors = [(t.detach(), W.torch_dtype(dtypes[n])) for n, t in planned]  # cast chunk by chunk
         ready = None
+        device = self._device(planned)
         # The side streams must see what the caller's stream wrote: the optimizer step (blocking mode), or in
         # overlap mode the snapshot copy (the push thread calls us inside WeightSnapshot.reading(), whose
         # stream waits for the copy's event: learner/sync/overlap.py).
-        if tensors and tensors[0][0].is_cuda:
+        if device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensors[0][0].device))
+            ready.record(torch.cuda.current_stream(device))
         return header, chunks, tensors, ready
 
     def _send(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], prepared: Any,
               bucket_bytes: int, deadline: float) -> Sent:
         header, chunks, tensors, ready = prepared
-        sender = _Broadcaster(self._group, tensors, chunks, deadline, ready)
+        gathered = self._gathered  # sharded: the broadcast thread gathers each chunk just in time (on every rank)
+        sender = _Broadcaster(self._group, tensors, chunks, deadline, ready, device=self._device(planned),
+                              fetch=gathered.get if gathered is not None else None)
         sender.start()
         update = session.update(header)  # returns once the server received and loaded every chunk
         sender.join(deadline)
@@ -235,12 +240,17 @@ class _Broadcaster(threading.Thread):
     Each chunk is cast to the serving dtype and concatenated on its side stream (after ``ready``, the
     caller's stream at push time), then broadcast; a buffer slot is reused only once its previous
     broadcast completed, so at most ``NUM_BUFFERS`` chunks of ~bucket_bytes exist at a time.
+    ``fetch(k, idx)`` (a sharded push) gathers chunk ``k``'s tensors on every learner rank first, on
+    that side stream; the chunk is then staged on ``device`` (host weights to the GPU the group uses).
     """
 
     def __init__(self, group: Any, tensors: list[tuple[torch.Tensor, torch.dtype]], chunks: list[list[int]],
-                 deadline: float, ready: Any) -> None:
+                 deadline: float, ready: Any, device: torch.device | None = None,
+                 fetch: Callable[[int, list[int]], list[torch.Tensor]] | None = None) -> None:
         super().__init__(name="wsync-broadcast", daemon=True)
         self.group, self.tensors, self.chunks, self.deadline, self.ready = group, tensors, chunks, deadline, ready
+        self.device = device if device is not None else tensors[0][0].device
+        self.fetch = fetch
         self.error: BaseException | None = None
 
     def _wait(self, done: Callable[[], bool], what: str) -> None:
@@ -249,13 +259,15 @@ class _Broadcaster(threading.Thread):
                 raise TimeoutError(f"{what} not received by the server before the sync deadline")
             time.sleep(0.0002)
 
-    def _flat(self, idx: list[int]) -> torch.Tensor:
-        return torch.cat([t.to(dtype).contiguous().reshape(-1).view(torch.uint8) for t, dtype in
-                          (self.tensors[i] for i in idx)])
+    def _flat(self, k: int, idx: list[int]) -> torch.Tensor:
+        parts = self.fetch(k, idx) if self.fetch is not None else [self.tensors[i][0] for i in idx]
+        flat = torch.cat([t.to(self.tensors[i][1]).contiguous().reshape(-1).view(torch.uint8)
+                          for i, t in zip(idx, parts)])
+        return flat.to(self.device)  # a no-op unless host weights go out through the GPU's group
 
     def run(self) -> None:
         try:
-            device = self.tensors[0][0].device
+            device = self.device
             cuda = device.type == "cuda"
             if cuda:
                 torch.cuda.set_device(device)  # the current device is per thread
@@ -268,11 +280,12 @@ class _Broadcaster(threading.Thread):
                     in_flight[b] = None
                 if cuda:
                     with torch.cuda.stream(streams[b]):
-                        streams[b].wait_event(self.ready)
-                        flat = self._flat(idx)
+                        if self.ready is not None:
+                            streams[b].wait_event(self.ready)
+                        flat = self._flat(k, idx)
                         in_flight[b] = (flat, self.group.broadcast(flat))
                 else:
-                    flat = self._flat(idx)
+                    flat = self._flat(k, idx)
                     in_flight[b] = (flat, self.group.broadcast(flat))
             for item in in_flight:
                 if item is not None:

@@ -32,7 +32,9 @@ broadcast), and a result that arrives after that is discarded with a warning (th
 ``min_ver`` floor makes learner and server converge again).
 
 Memory: the snapshot is one extra copy of the weights (on rank 0's GPU under CUDA), allocated at the
-first overlap push and reused.
+first overlap push and reused. Sharded weights (FSDP2): the snapshot is in rank 0's host memory
+(``take_gathered``; pinned on a CUDA host), filled by a gather on every rank one weight at a time after
+the boundary's broadcast said a push starts (learner/sync/boundary.py); training waits for that gather.
 
 Torch threads: the push thread runs torch single-threaded (its torch work is casts and copies;
 learner/torch_threads.py says why), as the Channel-A prefetch thread does.
@@ -46,7 +48,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +102,30 @@ class WeightSnapshot:
                 for name, t in named:
                     self._buffers[name].copy_(t)
         return [(name, self._buffers[name]) for name, _ in named]
+
+    def take_gathered(self, specs: Named, gathered: Iterable[tuple[str, torch.Tensor]]) -> Named:
+        """Sharded weights (FSDP2): copy each gathered full tensor into a host staging tensor as it arrives.
+
+        ``specs``: ``(name, DTensor)`` for the full shapes and dtypes; ``gathered`` yields each weight whole,
+        one at a time (a collective on every rank: learner/sync/sharded.py), so rank 0's GPU holds one full
+        tensor at a time and its host the snapshot. Staging tensors are pinned on a CUDA host (the copies
+        run asynchronously; one synchronize at the end). The push reads them on the CPU (``reading`` is a no-op).
+        """
+        cpu = torch.device("cpu")
+        if self._device != cpu or list(self._buffers) != [n for n, _ in specs]:
+            pin = torch.cuda.is_available()
+            self._buffers = {n: torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pin) for n, t in specs}
+            self._device = cpu
+            log.info("overlap sync: host snapshot of the sharded weights, %.1f MB%s (reused by every push)",
+                     self.nbytes / 1e6, " pinned" if pin else "")
+        cuda = False
+        with torch.no_grad():
+            for name, full in gathered:
+                cuda |= full.is_cuda
+                self._buffers[name].copy_(full, non_blocking=full.is_cuda)
+        if cuda:
+            torch.cuda.synchronize()  # every device-to-host copy landed before the push thread reads
+        return [(name, self._buffers[name]) for name, _ in specs]
 
     def _allocate(self, named: Named, device: torch.device) -> None:
         self._buffers = {name: torch.empty_like(t, memory_format=torch.contiguous_format) for name, t in named}

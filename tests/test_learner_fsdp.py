@@ -1,0 +1,324 @@
+"""``learner.parallel: fsdp`` (FSDP2) against DDP on real gloo ranks over loopback, the tiny Qwen2.5-VL on CPU.
+
+Four training runs of the real :class:`learner.rank.Learner` (the async mode's ``async_step``), launched
+as users launch ranks (``torchrun --standalone``; plain ``python`` for one rank) with this file as the rank
+script, each rank writing its own result file and rank 0 the full weights::
+
+    ddp  × 2 ranks                      \\  same seed, same A data, the same B packs (one fake actor per rank,
+    fsdp × 2 ranks (+ grad checkpointing) /  pack_wait_s long enough that B runs at steps 1 and 3 in both)
+    ddp  × 1 rank (the plain model)     \\  same seed, same data
+    fsdp × 1 rank, cpu_offload          /
+
+No rollout server: the start-up push fails (not fatal), ver stays 0, so every B pack stays fresh.
+``max_steps`` is one more than the steps run, so no final checkpoint is written (learner/checkpoint.py is
+tested on its own). Tolerances (fp32 on CPU; the engines sum gradients in a different order, AdamW
+amplifies the last bits of near-zero gradients): loss rel 1e-5 per step, weights atol 1e-4.
+
+Also: FSDP2 gradients equal DDP's when one rank's pack has no image (the zero vision term keeps the
+all-gathers of every rank in the same order), and the config accepts ``fsdp`` and names a bad value's key.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # run as a rank script by torchrun: import from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest
+
+STEPS, GA = 5, 2
+JOIN_DEADLINE_S = 150
+
+
+def _full(t: Any) -> Any:
+    """A parameter or gradient as one plain CPU tensor (a DTensor shard is gathered: every rank must call it)."""
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
+
+
+def rank_main(config: str, steps: int, out: str, overrides: list[str] = ()) -> int:
+    """One learner rank: set up, ``steps`` async steps, full weights to ``out/weights.pt`` (rank 0; test-size models
+    only), a result file. Also a GPU probe: ``python tests/test_learner_fsdp.py CONFIG STEPS OUT [key=value ...]``."""
+    import torch
+
+    from common import cli
+    from common.config import load_config
+    from learner.distributed import Dist, env_world_size
+    from learner.rank import Learner
+    from learner.train import async_step
+
+    cfg = load_config(config, list(overrides), world_size=env_world_size())
+    dist = Dist(cfg.learner.backend, cfg.learner.collective_timeout_s)
+    cli.setup_process("learner", dist.rank)
+    result: dict[str, Any] = {"rank": dist.rank}
+    learner = Learner(cfg, dist)
+    try:
+        learner.open_queue()
+        learner.setup()
+        learner.queue.start()
+        result["fsdp_params"] = sum(type(p).__name__ == "DTensor" for p in learner.hf_model.parameters())
+        for _ in range(steps):
+            async_step(learner)
+        if sum(p.numel() for p in learner.hf_model.parameters()) < 10**8:
+            weights = {n: _full(p) for n, p in learner.hf_model.named_parameters()}
+            if dist.is_main:
+                torch.save(weights, Path(out) / "weights.pt")
+        result["steps"] = learner.step
+    except BaseException:  # recorded for the parent's message
+        result["error"] = traceback.format_exc()[-3000:]
+    finally:
+        learner.close()
+        Path(out, f"rank{dist.rank}.json").write_text(json.dumps(result))
+        dist.close()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- the runs
+
+
+class _Run:
+    """One learner run in flight: its process, its fake actors (B packs) and where it writes."""
+
+    def __init__(self, tmp: Path, name: str, nproc: int, model_dir: Path, data_dir: Path, pool: Any,
+                 **learner: Any) -> None:
+        from common.config import load_config
+        from tests.test_learner_harness import FakeActor, Proc, keep_at_target, write_config
+
+        self.name, self.nproc, self.out = name, nproc, tmp / name
+        self.out.mkdir()
+        training = {"max_steps": STEPS + 1, "gradient_accumulation_steps": GA, "save_every_steps": 0,
+                    "trace_micro_steps": False, "gradient_checkpointing": learner.pop("checkpointing", False)}
+        cfg_path = write_config(self.out / "cfg.yaml", model_dir=model_dir, data_dir=data_dir,
+                                output_dir=self.out / "run", nproc=nproc, training=training,
+                                learner={"pack_wait_s": 60.0, **learner},
+                                stage2_ab={"schedule": {"b_ratio": 0.5 if pool is not None else 0.0},
+                                           "channel_b": {"async": {"sync_every_steps": 1000}}})
+        self.actors = []
+        if pool is not None:
+            transport = load_config(cfg_path, world_size=nproc).transport
+            self.actors = [FakeActor(transport, r, pool, keep_at_target) for r in range(nproc)]
+            for a in self.actors:
+                a.start()
+        script = [str(Path(__file__).resolve()), str(cfg_path), str(STEPS), str(self.out)]
+        argv = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
+                if nproc > 1 else [sys.executable, *script])
+        self.proc = Proc(argv, self.out / "learner.log", env={"OMP_NUM_THREADS": "1"})
+
+    def result(self, deadline: float) -> dict:
+        import torch
+
+        from tests.test_learner_harness import read_metrics
+
+        try:
+            rc = self.proc.wait(max(1.0, deadline - time.monotonic()), f"the {self.name} learner ({self.nproc} rank(s))")
+        finally:
+            self.proc.stop()
+            for a in self.actors:
+                a.stop_event.set()
+        ranks = []
+        for r in range(self.nproc):
+            path = self.out / f"rank{r}.json"
+            assert path.exists(), (f"{self.name}: rank {r} wrote no result (exit {rc}): it crashed early. "
+                                   f"Log:\n{self.proc.tail()}")
+            ranks.append(json.loads(path.read_text()))
+            assert "error" not in ranks[r], f"{self.name} rank {r}:\n{ranks[r]['error']}"
+        return {"rc": rc, "ranks": ranks, "metrics": read_metrics(self.out / "run"), "run_dir": self.out / "run",
+                "weights": torch.load(self.out / "weights.pt")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir, synth_data_dir) -> dict[str, dict]:
+    """The four runs of the module docstring, all at once (each waits on nothing but its own ranks and actors)."""
+    from tests.test_learner_harness import SegmentPool, private_copy
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    model, data = private_copy(tiny_model_dir, tmp / "model"), private_copy(synth_data_dir, tmp / "data")
+    pool = SegmentPool(model, data)
+    started = [
+        _Run(tmp, "ddp2", 2, model, data, pool, parallel="ddp"),
+        _Run(tmp, "fsdp2", 2, model, data, pool, parallel="fsdp", checkpointing=True),
+        _Run(tmp, "ddp1", 1, model, data, None, parallel="ddp"),
+        _Run(tmp, "fsdp1", 1, model, data, None, parallel="fsdp", fsdp={"cpu_offload": True}),
+    ]
+    deadline = time.monotonic() + JOIN_DEADLINE_S
+    try:
+        return {run.name: run.result(deadline) for run in started}
+    finally:
+        for run in started:
+            run.proc.stop()
+            for a in run.actors:
+                a.stop()
+
+
+def _losses(run: dict) -> list[float]:
+    return [r["loss/total"] for r in run["metrics"]]
+
+
+def _max_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_follows_ddps_loss_curve_over_a_and_b_steps(runs):
+    ddp, fsdp = runs["ddp2"], runs["fsdp2"]
+    assert [r["fsdp_params"] > 0 for r in fsdp["ranks"]] == [True, True]  # really sharded
+    assert [r["fsdp_params"] for r in ddp["ranks"]] == [0, 0]
+    kinds = [[r["stage2_ab/async/step_kind_b"] for r in run["metrics"]] for run in (ddp, fsdp)]
+    assert kinds[0] == kinds[1] == [0, 1, 0, 1, 0], "B must run at steps 1 and 3 in both runs (same packs)"
+    assert len(_losses(fsdp)) == STEPS and _losses(ddp)[-1] < _losses(ddp)[0]  # it learns
+    for step, (a, b) in enumerate(zip(_losses(ddp), _losses(fsdp))):
+        assert b == pytest.approx(a, rel=1e-5), f"step {step}: ddp {a} vs fsdp {b}"
+    norms = [[r["train/grad_norm"] for r in run["metrics"]] for run in (ddp, fsdp)]
+    assert norms[1] == pytest.approx(norms[0], rel=2e-4)
+    assert {r["learner/parallel"] for r in fsdp["metrics"]} == {"fsdp"}
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_ends_at_ddps_weights(runs):
+    ddp, fsdp = runs["ddp2"]["weights"], runs["fsdp2"]["weights"]
+    assert _max_weight_diff(ddp, fsdp) < 1e-4
+    assert _max_weight_diff(ddp, runs["ddp1"]["weights"]) > 1e-3  # the comparison has teeth: other data, other weights
+
+
+@pytest.mark.slow
+def test_a_one_rank_fsdp_run_with_cpu_offload_matches_the_plain_model(runs):
+    plain, fsdp = runs["ddp1"], runs["fsdp1"]
+    assert fsdp["ranks"][0]["fsdp_params"] > 0 and plain["ranks"][0]["fsdp_params"] == 0
+    assert _losses(fsdp) == pytest.approx(_losses(plain), rel=1e-5)
+    assert _max_weight_diff(plain["weights"], fsdp["weights"]) < 1e-4
+
+
+@pytest.mark.slow
+def test_every_step_record_carries_each_ranks_peak_memory_and_the_engine(runs):
+    for name, run in runs.items():
+        for rec in run["metrics"]:
+            by_rank = rec["mem/peak_rss_gb_by_rank"]
+            assert len(by_rank) == len(run["ranks"]) and all(0.05 < g < 64 for g in by_rank), (name, by_rank)
+            assert rec["mem/peak_rss_gb"] == max(by_rank)
+            assert "mem/peak_allocated_gb" not in rec  # a CPU learner: no CUDA allocator keys
+            assert rec["learner/parallel"] == name[:-1]
+            assert rec["time/step"] > 0
+
+
+@pytest.mark.slow
+def test_the_run_summary_reports_the_engine_the_median_step_time_and_each_ranks_peak_memory(runs, capsys):
+    import statistics
+
+    from launcher.summary import print_summary
+
+    run = runs["fsdp2"]
+    print_summary(run["run_dir"])
+    saved = json.loads((run["run_dir"] / "summary.json").read_text())
+    assert saved["parallel"] == "fsdp"
+    assert saved["step_time_median_s"] == statistics.median(r["time/step"] for r in run["metrics"])
+    peaks = saved["peak_memory_gb_by_rank"]
+    assert peaks["rss"] == [max(r["mem/peak_rss_gb_by_rank"][i] for r in run["metrics"]) for i in (0, 1)]
+    assert peaks["allocated"] is None and peaks["reserved"] is None  # a CPU learner
+    assert "learner                fsdp, step " in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------- an image-less pack
+
+
+def _grad_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    """One of 2 gloo ranks: rank 0 trains a pack with an image, rank 1 one without; DDP then FSDP2 gradients."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from common.segment import Pack
+    from learner import parallel
+    from learner.loss import LossWeights, Normaliser, pack_loss
+    from learner.model import forward_rows, load_policy, pack_inputs
+    from tests.test_loss import image_segment
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        cpu = torch.device("cpu")
+        model_cfg = SimpleNamespace(path=model_dir, dtype="float32", attn_implementation="sdpa", coord_tokens=True)
+        grads = {}
+        for engine in ("ddp", "fsdp"):
+            model, tokenizer, coord_ids = load_policy(model_cfg, cpu)
+            seg = image_segment(model, tokenizer, coord_ids, seed=rank + 1, n_images=1 - rank, n_text=20, n_boxes=1)
+            fsdp_cfg = SimpleNamespace(param_dtype="auto", reduce_dtype="float32", reshard_after_forward=True,
+                                       cpu_offload=False)
+            wrapped = parallel.wrap(model, SimpleNamespace(parallel=engine, fsdp=fsdp_cfg), cpu, 2, rank)
+            inputs = pack_inputs(Pack(ver=0, channel="B", segments=[seg]).tensors(), "sdpa", torch.float32, cpu)
+            terms = pack_loss(forward_rows(wrapped, inputs), inputs.rows, torch.tensor(coord_ids),
+                              Normaliser(ce_tokens=40, boxes=2, scale=2.0), LossWeights())
+            terms.backward.backward()
+            grads[engine] = {n: _full(p.grad) for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(grads, Path(out) / "grads.pt")
+        result["ok"] = True
+    except BaseException:
+        result["error"] = traceback.format_exc()[-3000:]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # skip destroy_process_group: a failed peer may be gone
+
+
+@pytest.mark.slow
+def test_fsdp_gradients_equal_ddps_when_one_ranks_pack_has_no_image(tiny_model_dir, tmp_path):
+    import torch
+
+    from tests.ports import free_port_block
+
+    ctx = mp.get_context("spawn")
+    port = free_port_block(1)
+    procs = [ctx.Process(target=_grad_rank, args=(r, port, str(tiny_model_dir), str(tmp_path)), daemon=True)
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()  # only the processes this test started, by their handle
+    assert not alive, (f"ranks {alive} still running after 120 s: the ranks' FSDP2 all-gathers are out of order "
+                       "(a rank ran the vision tower after its language model?)")
+    for r in (0, 1):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), (f"rank {r} wrote no result (exit code {procs[r].exitcode}): it crashed, e.g. gloo's "
+                               "'collective mismatch' when the ranks' FSDP2 all-gathers run in different orders")
+        res = json.loads(path.read_text())
+        assert res.get("ok"), f"rank {r}:\n{res.get('error')}"
+    grads = torch.load(tmp_path / "grads.pt")
+    ddp, fsdp = grads["ddp"], grads["fsdp"]
+    vision = [n for n in ddp if ".visual." in f".{n}"]
+    assert vision and sum(float(ddp[n].abs().sum()) for n in vision) > 0  # rank 0's image reached the tower
+    for n in ddp:
+        tol = 1e-6 + 1e-4 * float(ddp[n].abs().max())
+        assert float((ddp[n] - fsdp[n]).abs().max()) <= tol, n
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def test_learner_parallel_fsdp_is_accepted_and_a_bad_value_is_refused_naming_the_key():
+    from common.config import ConfigError, load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "configs/demo_cpu.yaml", ["learner.parallel=fsdp", "learner.fsdp.cpu_offload=true"])
+    assert (cfg.learner.parallel, cfg.learner.fsdp.cpu_offload, cfg.learner.fsdp.param_dtype) == ("fsdp", True, "auto")
+    with pytest.raises(ConfigError) as err:
+        load_config(repo / "configs/demo_cpu.yaml", ["learner.parallel=zero3"])
+    assert "learner.parallel = 'zero3'" in str(err.value) and "'fsdp'" in str(err.value)
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]))

@@ -1,0 +1,332 @@
+"""Weight sync from an FSDP2-sharded learner: 2 real gloo ranks under ``torchrun``, real rollout servers (hf engine).
+
+Each scenario is one ``torchrun --nproc_per_node=2`` of this file as a worker (``--worker land|fail``):
+the tiny model sharded by ``learner.parallel.wrap`` (``learner.parallel: fsdp``), trained a step so its
+weights differ from the server's, then synced by the learner's own ``WeightSync`` on both ranks. Each
+rank writes ``rank<r>.json``; the parent runs the ranks under a deadline (a deadlock fails the test
+with the ranks' log instead of hanging) and asserts on the merged results. Expected digests are
+computed independently of the sync code: torch's own full state dict (``get_model_state_dict``),
+cast to the server's manifest, hashed with ``exact_digest``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # when torchrun runs this file as a rank worker
+    sys.path.insert(0, str(REPO))
+
+RUN_DEADLINE_S = 240.0  # one torchrun of 2 ranks on a shared 2-core box; a hang fails the test, not the suite
+SMALL_BUCKET = 256 << 10  # several buckets for the 3.3 MB tiny model
+
+
+# ----------------------------------------------------------------------------------------------- rank worker
+
+
+def _worker(args: list[str]) -> None:
+    import argparse
+
+    import torch
+
+    from common.config import load_config
+    from learner.distributed import Dist
+    from learner.parallel import wrap
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=["land", "fail"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--url", action="append", required=True)
+    ap.add_argument("--kill-pid", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cuda: the GPU test (tests/test_gpu_weight_sync.py), 1 rank")
+    ap.add_argument("--offload", action="store_true", help="learner.fsdp.cpu_offload")
+    ap.add_argument("--transports", default="http,ipc,nccl", help="the blocking pushes of scenario land")
+    ap.add_argument("--overlap-transport", default="http")
+    a = ap.parse_args(args)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"rank %(process)d %(name)s: %(message)s")
+    cuda = a.device == "cuda"
+    dist = Dist("nccl" if cuda else "gloo", timeout_s=120)
+    result: dict = {"rank": dist.rank}
+    try:
+        def config(urls: list[str], transport: str = "http", mode: str = "blocking"):
+            servers = ",".join(f"{{base_url: '{u}'}}" for u in urls)
+            return load_config(REPO / "configs/demo_cpu.yaml", [
+                f"model.path={a.model}", f"rollout_matching.vllm.servers=[{servers}]", "learner.parallel=fsdp",
+                f"rollout_matching.vllm.sync.transport={transport}", "rollout_matching.vllm.sync.timeout_s=30",
+                "rollout_matching.vllm.sync.bucket_mb=1", f"stage2_ab.channel_b.async.sync_mode={mode}",
+                f"learner.fsdp.cpu_offload={str(a.offload).lower()}", "learner.collective_timeout_s=120",
+                f"learner.nproc_per_node={dist.world_size}"], world_size=dist.world_size)
+
+        from transformers import AutoModelForImageTextToText
+
+        cfg = config(a.url)
+        device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
+        model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=torch.float32).to(device)
+        model = wrap(model, cfg.learner, device, dist.world_size, dist.local_rank)
+        trainer = _Trainer(model, dist.rank, device)
+        (_land if a.scenario == "land" else _fail)(a, dist, model, trainer, config, result)
+        result["aligned"] = dist.all_reduce([1], "sum", "the test's closing all-reduce")[0]
+    except BaseException as exc:
+        import traceback
+
+        result["error"] = traceback.format_exc()
+        raise SystemExit(f"rank {dist.rank}: {exc}") from exc
+    finally:
+        Path(a.out, f"rank{dist.rank}.json").write_text(json.dumps(result))
+        dist.close()
+
+
+class _Trainer:
+    """One AdamW step on a text batch that differs per rank (so the gradient reduction matters)."""
+
+    def __init__(self, model, rank: int, device) -> None:
+        import torch
+
+        self.model, self.rank, self.device = model, rank, device
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.steps = 0
+
+    def step(self) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(100 * self.steps + self.rank)
+        ids = torch.randint(0, 1000, (2, 12), generator=g).to(self.device)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+
+
+def _served(url: str) -> dict:
+    """The server's ver and exact digest (rank 0 only)."""
+    import httpx
+
+    from common.protocol import SyncDigestResponse
+
+    r = httpx.get(url + "/sync/digest", timeout=60)
+    r.raise_for_status()
+    d = SyncDigestResponse.model_validate_json(r.content)
+    return {"ver": d.ver, "digests": d.digests}
+
+
+def _expected(model, dist, url: str) -> dict | None:
+    """Every rank (a collective): torch's full state dict; rank 0 digests it as the server would hold it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from common.tensors import weights as W
+    from learner.sync import cast_stream, plan
+    from learner.sync.control import SyncClient
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_main:
+        return None
+    client = SyncClient(url, timeout_s=30)
+    try:
+        session = client.open(1 << 20)  # for the manifest (names, tied groups, serving dtype)
+        session.abort("the test only wanted the manifest")
+    finally:
+        client.close()
+    planned = plan(session.info, full.items())
+    return {"digest": W.exact_digest(cast_stream(session.info, planned)), "n_served": len(planned),
+            "fingerprint": W.fingerprint(planned, {s.name: s.dtype for s in session.info.manifest})}
+
+
+def _land(a, dist, model, trainer, config, result) -> None:
+    """Blocking pushes over http, ipc and nccl (gloo on CPU), each after a step; then one overlap push."""
+    from learner.sync.boundary import WeightSync
+
+    url, ver, step = a.url[0], 0, 0
+    for transport in a.transports.split(","):
+        trainer.step()
+        step += 1
+        sync = WeightSync(config(a.url, transport), dist)
+        sync.bucket_bytes = SMALL_BUCKET
+        t0 = time.monotonic()
+        out = sync.run(model, step, ver)
+        ver = out.ver
+        entry = {"ok": out.ok, "ver": out.ver, "gathers": sync.gathers, "s": time.monotonic() - t0}
+        expected = _expected(model, dist, url)
+        if dist.is_main:
+            entry.update(served=_served(url), expected=expected)
+        result[transport] = entry
+        sync.close()
+    # Overlap: the start-up sync blocks; a later due boundary gathers a snapshot on every rank and pushes it.
+    sync = WeightSync(config(a.url, a.overlap_transport, mode="overlap"), dist, progress=lambda: step)
+    sync.bucket_bytes = SMALL_BUCKET
+    ver = sync.boundary(model, step, ver).ver  # start-up (blocking)
+    trainer.step()
+    step += sync.every
+    gathers_before = sync.gathers
+    at_snapshot = _expected(model, dist, url)  # before the push holds the server's one sync session
+    started = sync.boundary(model, step, ver)
+    trainer.step()  # the weights move on while the push runs: the server must get the snapshot's
+    settled = sync.settle(model, step, ver, "the test")
+    entry = {"started": started.metrics.get("sync/started"), "ok": settled.ok, "ver": settled.ver,
+             "ver_before": ver, "gathers": sync.gathers - gathers_before}
+    after = _expected(model, dist, url)
+    if dist.is_main:
+        entry.update(served=_served(url), expected=at_snapshot, moved_on=after)
+    result["overlap"] = entry
+    sync.close()
+
+
+def _fail(a, dist, model, trainer, config, result) -> None:
+    """A bucket the server refuses mid-push (http: 413), then a server killed after the fence while the NCCL
+    sender's thread gathers and broadcasts (gloo on CPU; the next server gets an empty plan); every rank returns."""
+    from learner.sync.boundary import WeightSync
+
+    refusing, doomed = a.url
+    trainer.step()
+    for name, urls, transport in (("refused", [refusing], "http"), ("killed", [doomed, refusing], "nccl")):
+        sync = WeightSync(config(urls, transport), dist)
+        sync.bucket_bytes = SMALL_BUCKET
+        if dist.is_main and name == "killed":
+            sender = sync._sender(doomed)
+            push = sender.push
+            sender.push = lambda *p, **kw: push(*p, on_phase=lambda _: os.kill(a.kill_pid, signal.SIGKILL), **kw)
+        before = _served(refusing) if dist.is_main else None
+        t0 = time.monotonic()
+        out = sync.run(model, step=1, ver=0)
+        result[name] = {"ok": out.ok, "ver": out.ver, "gathers": sync.gathers, "s": time.monotonic() - t0,
+                        "failures": sync.counts["sync/failures"]}
+        if dist.is_main:
+            result[name].update(before=before, after=_served(refusing))
+        sync.close()
+    if dist.is_main:  # the refusal was mid-push: the first bucket over the server's 1 MB cap is not the first
+        from common.tensors import packed as P
+        from learner.sync.control import SyncClient
+
+        client = SyncClient(refusing, timeout_s=30)
+        session = client.open(1 << 20)
+        session.abort("the test only wanted the manifest")
+        client.close()
+        dtypes = {s.name: s.dtype for s in session.info.manifest}
+        import torch
+
+        planned = [(s.name, torch.empty(s.shape, device="meta")) for s in session.info.manifest]
+        sizes = [P.nbytes_of(b) for b in P.bucket_plan(planned, dtypes, SMALL_BUCKET)]
+        result["first_refused_bucket"] = next(k for k, n in enumerate(sizes) if n > 1 << 20)
+        result["n_buckets"], result["n_served"] = len(sizes), len(planned)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker([x for x in sys.argv[1:] if x != "--worker"])
+
+
+# ----------------------------------------------------------------------------------------------- the tests
+
+
+def test_the_running_fingerprint_equals_the_one_shot_fingerprint_of_the_cast_weights(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from common.tensors import weights as W
+    from learner.sync.sharded import RunningFingerprint
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    dtypes = {n: "bfloat16" for n, _ in named}
+    running = RunningFingerprint()
+    for name, t in reversed(named):  # any order: the hash is over names sorted
+        running.add(name, t.to(torch.bfloat16))
+    assert any(t.numel() > W.FINGERPRINT_SAMPLES for _, t in named) and any(t.numel() < 100 for _, t in named)
+    assert running.hexdigest() == W.fingerprint(named, dtypes) != W.fingerprint(named)
+
+
+def _run(tmp: Path, scenario: str, urls: list[str], model_dir: Path, extra: list[str] = (), nproc: int = 2,
+         env: dict[str, str] | None = None) -> list[dict]:
+    """One torchrun of ``nproc`` worker ranks under the deadline; their merged results (AssertionError on a failure)."""
+    from tests.test_learner_harness import Proc
+
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+            "--worker", scenario, "--out", str(tmp), "--model", str(model_dir), *[f"--url={u}" for u in urls], *extra]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keep a staged site dir
+    proc = Proc(argv, tmp / "torchrun.log", env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})})
+    rc = proc.wait(RUN_DEADLINE_S, f"torchrun of {nproc} fsdp rank(s) ({scenario})")
+    proc.stop()
+    results = [json.loads(p.read_text()) if (p := tmp / f"rank{r}.json").exists() else {} for r in range(nproc)]
+    errors = [r.get("error") for r in results if r.get("error")]
+    assert rc == 0 and not errors, f"torchrun exited {rc}; rank errors: {errors}\n{proc.tail(80)}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def landed(tiny_model_dir, tmp_path_factory):
+    from tests.server_proc import rollout_server_process
+
+    with rollout_server_process(tiny_model_dir, []) as srv:
+        t0 = time.monotonic()
+        results = _run(tmp_path_factory.mktemp("fsdp-land"), "land", [srv.url], tiny_model_dir)
+        print(f"fsdp land scenario: {time.monotonic() - t0:.1f}s")
+        return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["http", "ipc", "nccl"])
+def test_a_sharded_learner_lands_its_weights_bit_exact_in_the_server(landed, transport):
+    r0, r1 = landed
+    push = r0[transport]
+    assert push["ok"] and r1[transport]["ok"] and push["ver"] == r1[transport]["ver"] == push["served"]["ver"]
+    assert push["served"]["digests"] == [push["expected"]["digest"]], "the served weights are not the learner's"
+    earlier = [r0[t]["expected"]["digest"] for t in ("http", "ipc", "nccl") if t != transport]
+    assert push["expected"]["digest"] not in earlier, "each push must carry new weights (a step between pushes)"
+
+
+@pytest.mark.slow
+def test_every_rank_gathers_each_served_tensor_exactly_once_per_push(landed):
+    r0, r1 = landed
+    n = r0["http"]["expected"]["n_served"]
+    for transport in ("http", "ipc", "nccl"):
+        assert r0[transport]["gathers"] == r1[transport]["gathers"] == n, transport
+    assert r0["aligned"] == r1["aligned"] == 2
+
+
+@pytest.mark.slow
+def test_an_overlap_push_under_fsdp_gathers_a_snapshot_on_every_rank_and_lands_it(landed):
+    r0, r1 = landed
+    o0, o1 = r0["overlap"], r1["overlap"]
+    assert o0["started"] == o1["started"] == 1
+    assert o0["ok"] and o1["ok"] and o0["ver"] == o1["ver"] == o0["ver_before"] + 1 == o0["served"]["ver"]
+    assert o0["served"]["digests"] == [o0["expected"]["digest"]] != [o0["moved_on"]["digest"]]
+    assert o0["gathers"] == o1["gathers"] == r0["http"]["expected"]["n_served"], "one gather per weight, every rank"
+
+
+@pytest.mark.slow
+def test_a_push_failing_mid_way_leaves_both_ranks_alive_on_the_old_ver(tiny_model_dir, tmp_path):
+    from tests.server_proc import rollout_server_process, start_server, wait_healthy
+
+    doomed = start_server(tiny_model_dir, [])
+    try:
+        cap = ["rollout_server.max_bucket_mb=1", "rollout_matching.vllm.sync.bucket_mb=1"]  # bodies over 1 MB: 413
+        with rollout_server_process(tiny_model_dir, cap) as refusing:
+            wait_healthy(doomed)
+            t0 = time.monotonic()
+            r0, r1 = _run(tmp_path, "fail", [refusing.url, doomed.url], tiny_model_dir,
+                          [f"--kill-pid={doomed.proc.pid}"])
+            elapsed = time.monotonic() - t0
+    finally:
+        doomed.stop()
+        doomed.log_path.unlink(missing_ok=True)
+    assert 0 < r0["first_refused_bucket"] < r0["n_buckets"], "the refusal must come after accepted buckets"
+    for name in ("refused", "killed"):
+        assert not r0[name]["ok"] and not r1[name]["ok"] and r0[name]["ver"] == r1[name]["ver"] == 0, name
+        assert r0[name]["failures"] == r1[name]["failures"] == 1, name
+        assert r0[name]["after"] == r0[name]["before"], f"{name}: the server must keep its old weights and ver"
+    # rank 0 drove every announced gather although sending stopped, and rank 1 took part in each one; the server
+    # after the killed one got an empty plan (no gathers) and was not pushed to
+    for name in ("refused", "killed"):
+        assert r0[name]["gathers"] == r1[name]["gathers"] == r0["n_served"], name
+    assert doomed.proc.poll() is not None, "the second scenario must have killed its server mid-push"
+    assert r0["aligned"] == r1["aligned"] == 2
+    print(f"fsdp fail scenarios: {elapsed:.1f}s")
