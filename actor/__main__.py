@@ -30,7 +30,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from actor.loop import ActorLoop  # deferred: pulls in transformers and torch
 
-    return ActorLoop(cfg, args.rank, args.index, config_path=args.config).run()
+    loop = ActorLoop(cfg, args.rank, args.index, config_path=args.config)
+    code = loop.run()
+    if loop.abandoned_inflight:
+        # The learner is done and rollouts were still in flight: their HTTP calls run on pool threads, which the
+        # interpreter joins at exit, so the process would live on until the server answered (a fenced or
+        # re-run batch: seconds) and be SIGTERMed by the launcher meanwhile (exit -15). Metrics, ledger and
+        # sockets are closed by run(); nothing else is pending.
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ class ActorLoop:
         self._failures: collections.Counter[str] = collections.Counter()  # failed rollouts per sample key
         self._pool = cf.ThreadPoolExecutor(max_workers=a.max_inflight_batches, thread_name_prefix=f"{self.actor_id}-infer")
         self._inflight: dict[cf.Future, list[Sample]] = {}
+        self.abandoned_inflight = False  # set when the learner said done with rollouts still in flight
         self._stop = threading.Event()
         self._taken = 0
         self._backoff_s, self._backoff_until = 0.0, 0.0
@@ -344,6 +345,7 @@ class ActorLoop:
         self._to_outbox(self.packer.flush_all())
         log.info("%s: exiting: %d rollout batches in flight abandoned, %d packs unsent", self.actor_id,
                  len(self._inflight), len(self.link.outbox))
+        self.abandoned_inflight = bool(self._inflight)  # actor/__main__.py then exits without joining their threads
         self._inflight.clear()
         self.link.drop_unsent()
         return EXIT_OK

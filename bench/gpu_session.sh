@@ -28,6 +28,9 @@
 # 1-GPU machine (nvidia-h100-x1 / nvidia-h200), the one-GPU topology (learner beside vLLM on one GPU):
 #   bash bench/gpu_session.sh Z1   # setup + tests/test_gpu_vllm.py (CUDA graphs + ipc/http round trip)
 #   bash bench/gpu_session.sh Z2   # bench/bench_one_gpu_sync.py (ipc vs http) + configs/gpu/one_gpu.yaml, 50 steps
+#   bash bench/gpu_session.sh F1   # the 7b preset on one GPU beside an hf rollout server: FSDP2 + CPU offload
+#                                  # (configs/gpu/fsdp_7b_1gpu.yaml, 20 steps), then learner.parallel=ddp (3 steps);
+#                                  # then the sharded-learner GPU sync tests (ipc + http, one GPU)
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -35,7 +38,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -419,12 +422,38 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     grep -h "| ipc\|| http\|launcher-one-gpu\|\[runs" "$LOG" | tail -8
     bundle logs-Z2.tar.gz runs/z2-one-gpu/logs runs/z2-one-gpu/summary.json runs/z2-one-gpu/metrics.jsonl
     ;;
+  F1)  # ~9.5 min, 1 GPU: the 7b preset (built here, ~14 GB) trained by the real topology on ONE GPU: an hf rollout
+       # server (vLLM is not staged on this part: its 0.35 share is what the launcher's memory check counts) and a
+       # 1-rank learner, FSDP2 + CPU offload for 20 steps, then DDP on the same GPU (3 steps or its OOM).
+       # No final checkpoint (training.save_final=false): 40 GiB of shards would not fit the machine's disk beside the model.
+    BUDGET=${BUDGET:-580}
+    mkdir -p .make && touch .make/installed
+    step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv; nproc; free -g | head -2;
+      df -h /tmp | tail -1; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"'
+    # The 7b weights in RAM (/dev/shm): the first try's build to /tmp (transformers' init + a 14 GB write to the
+    # virtual disk) did not finish in 200 s; --init pool draws 16 M values instead of 7.2 B.
+    step models 240 bash -c "python3 tools/make_tiny_model.py --preset 7b --init pool --out /dev/shm/tandem-models/7b &&
+      python3 -m common.synthetic --out $DATA --n 96 --seed 0 && du -sh /dev/shm/tandem-models/7b && free -g | head -2"
+    F1_KEYS="model.path=/dev/shm/tandem-models/7b rollout_server.engine=hf rollout_server.device=cuda
+      training.save_final=false training.eval_max_images=8 --grace-s 20"
+    rm -rf runs/f1-fsdp-7b runs/f1-ddp-7b
+    KILL_AFTER=30 step launcher-fsdp-7b 290 python3 -m launcher --config configs/gpu/fsdp_7b_1gpu.yaml \
+      training.output_dir=runs/f1-fsdp-7b run_name=f1-fsdp-7b $F1_KEYS
+    KILL_AFTER=20 step launcher-ddp-7b 150 python3 -m launcher --config configs/gpu/fsdp_7b_1gpu.yaml \
+      learner.parallel=ddp training.max_steps=3 training.output_dir=runs/f1-ddp-7b run_name=f1-ddp-7b $F1_KEYS
+    evidence --json "$OUT/evidence-F1.json" runs/f1-fsdp-7b runs/f1-ddp-7b >>"$LOG" 2>&1
+    grep -h "mem\|OutOfMemory\|out of memory\|step time\|launcher-\|rc=" "$LOG" | tail -20
+    bundle logs-F1.tar.gz runs/f1-fsdp-7b/logs runs/f1-fsdp-7b/summary.json runs/f1-fsdp-7b/metrics.jsonl \
+      runs/f1-ddp-7b/logs runs/f1-ddp-7b/summary.json runs/f1-ddp-7b/metrics.jsonl
+    step tiny-model 60 python3 tools/make_tiny_model.py --out artifacts/tiny-model
+    step test-gpu-fsdp-sync 150 python3 -m pytest -q -m gpu tests/test_gpu_weight_sync.py -k sharded -rs -p no:cacheprovider
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|E" >&2
     exit 2
     ;;
 esac

@@ -77,24 +77,37 @@ def read_eval_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def read_final_state(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The trainer state of the checkpoint written after the last recorded step, if there is one.
+    """The trainer state of the checkpoint written after the last recorded step, if there is one, else the
+    run's ``"record": "end"`` line of that step (``training.save_final: false``).
 
-    Why: in overlap mode that checkpoint first settles the push in flight, so the ver it saves (the
-    server's) can be one past the last metrics record's; "final ver" must say what the server holds.
-    A checkpoint of an earlier step (a run that died later) is not the end of the run: ignored.
+    Why: that checkpoint first settles the push in flight (overlap mode) and the final push for the
+    evaluation, so the ver it saves (the server's) can be past the last metrics record's; "final ver"
+    must say what the server holds. A checkpoint of an earlier step (a run that died later) is not the
+    end of the run: ignored.
     """
     if not records or "step" not in records[-1]:
         return None
-    path = Path(run_dir) / "checkpoints" / str(int(records[-1]["step"]) + 1) / "trainer_state.json"
+    done = int(records[-1]["step"]) + 1
+    path = Path(run_dir) / "checkpoints" / str(done) / "trainer_state.json"
     try:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return None
+        ends = [r for r in read_records(run_dir) if record_kind(r) == "end" and r.get("step") == done]
+        state = ends[-1] if ends else None
     return state if isinstance(state, dict) and isinstance(state.get("ver"), int) else None
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _busy(records: list[dict[str, Any]]) -> float:
+    """Σ forward/backward (mean over ranks) / Σ step time over the run; the per-step mean of
+    ``learner/busy_fraction`` where a record lacks the times."""
+    if all("time/forward_backward_mean" in r and "time/step" in r for r in records):
+        total = sum(r["time/step"] for r in records)
+        return sum(r["time/forward_backward_mean"] for r in records) / total if total > 0 else float("nan")
+    return _mean([r.get("learner/busy_fraction", 0.0) for r in records])
 
 
 def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None,
@@ -122,7 +135,9 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "packs_trained_b": trained_b,
         "mean_fill_b": _mean([r.get("packing/fill", 0.0) for r in b_recs]),
         "mean_fill_a": _mean([r.get("packing/fill", 0.0) for r in records if not r.get(K + "step_kind_b")]),
-        "busy_fraction": _mean([r.get("learner/busy_fraction", 0.0) for r in records]),
+        # time-weighted: the share of the learner's step time spent in forward/backward (a per-step mean would
+        # count a sync step's stall once, however long it was)
+        "busy_fraction": _busy(records),
         "wait_for_packs_s": sum(r.get("time/wait_for_packs", 0.0) for r in records),
         "wait_for_a_window_s": sum(r.get("time/wait_for_a_window", 0.0) for r in records),
         **rollout_totals(b_recs),

@@ -38,6 +38,7 @@ ROLLOUT_COUNTS = ("n_pred", "n_gt", "n_matched", "parse_truncated", "invalid_rol
 RANK_FIELDS = (
     "kind_b", "micro_steps", "forwards", "backwards", "max_forwards_per_micro", "packs", "segments", "tokens",
     "time_forward_backward", "time_wait_for_packs", "time_wait_for_a_window", "time_step", "time_sync_stall",
+    "time_optimizer_step",
     "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou", "loss_coord_ce",
     "ver_lag_sum", "ver_lag_max", "queue_depth", "fill_sum", "ver_current", "sync_client_calls",
     "a_dropped_total", "a_window_carry", "mem_peak_rss", "mem_peak_allocated", "mem_peak_reserved",
@@ -148,6 +149,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "time/wait_for_packs": max(r["time_wait_for_packs"] for r in per_rank),
         "time/wait_for_a_window": max(r["time_wait_for_a_window"] for r in per_rank),
         "time/sync_stall": max(r["time_sync_stall"] for r in per_rank),
+        "time/optimizer_step": max(r["time_optimizer_step"] for r in per_rank),
         "learner/busy_fraction": min(1.0, (sum(fb) / n) / step_s),
         "learner/micro_steps": [int(r["micro_steps"]) for r in per_rank],
         "learner/forwards": [int(r["forwards"]) for r in per_rank],
@@ -229,6 +231,15 @@ class MetricsWriter:
             return
         with self._lock:
             self._append({"record": "eval", **{k: v for k, v in record.items() if k != "record"}})
+
+    def write_end(self, record: dict[str, Any]) -> None:
+        """Append the run's ``"record": "end"`` line (rank 0, after the last step when no final checkpoint is
+        written: ``training.save_final: false``): ``step`` (optimizer steps done), ``ver`` (the server's, after the
+        final push) and ``sync_counts``, which the summary reads instead of the final checkpoint's trainer state."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._append({"record": "end", **{k: v for k, v in record.items() if k != "record"}})
 
     def _append(self, record: dict[str, Any]) -> None:
         """One JSON line (flushed) and its finite numeric values as TensorBoard scalars; caller holds the lock."""

@@ -223,10 +223,23 @@ def zero_vision_term(model: torch.nn.Module) -> torch.Tensor | None:
 # --------------------------------------------------------------------------------------------- optimizer
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # torch's fused AdamW kernels
+
+
+def adamw_fused(params: list[torch.nn.Parameter], impl: str) -> bool:
+    """``training.adamw_impl``: fused, foreach, or auto = fused where torch has the kernel for every parameter
+    (CUDA or CPU, a floating dtype; FSDP2 shards count by their local tensors' device)."""
+    if impl != "auto":
+        return impl == "fused"
+    return bool(params) and all(p.device.type in ("cuda", "cpu") and p.dtype in FUSED_DTYPES for p in params)
+
+
 def build_optimizer(model: torch.nn.Module, training: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over trainable parameters and a linear-warmup + cosine schedule to ``min_lr_ratio · lr``."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=training.lr, weight_decay=training.weight_decay)
+    fused = adamw_fused(params, training.adamw_impl)
+    optimizer = torch.optim.AdamW(params, lr=training.lr, weight_decay=training.weight_decay,
+                                  **({"fused": True} if fused else {"foreach": True}))
     warmup, total, floor = training.warmup_steps, max(1, training.max_steps), training.min_lr_ratio
 
     def factor(step: int) -> float:

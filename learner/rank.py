@@ -282,8 +282,10 @@ class Learner:
         """Optimizer update, counters, the gathered metrics record, and a checkpoint when due."""
         self.sync.before_weights_change()  # GPU overlap: the update waits for the snapshot copy (device-side)
         loss_ok = self._loss_finite(stats)
+        t0 = time.monotonic()
         norm = clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.training.max_grad_norm,
                              loss_finite=loss_ok)
+        stats["time_optimizer_step"] = time.monotonic() - t0  # on the host under FSDP2 cpu_offload
         skipped = not (loss_ok and math.isfinite(norm))  # the same on every rank (see _loss_finite, clip_and_step)
         facts["train/grad_norm"] = norm if math.isfinite(norm) else None
         facts["train/nonfinite_skipped"] = int(skipped)
@@ -330,8 +332,10 @@ class Learner:
         if last and self.evals_configured:
             self.push_final_weights()
         every = self.cfg.training.save_every_steps
-        if (every and self.step % every == 0) or last:
+        if (every and self.step % every == 0) or (last and self.cfg.training.save_final):
             self.save()
+        elif last and self.dist.is_main:  # no final checkpoint to say what the server holds: one "end" record does
+            self.writer.write_end({"step": self.step, "ver": self.ver, "sync_counts": dict(self.sync.counts)})
 
     def _loss_finite(self, stats: RankStats) -> bool:
         """Whether every rank's loss of this step is finite (one all_reduce under DDP, so all ranks agree)."""

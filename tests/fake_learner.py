@@ -47,6 +47,7 @@ class FakeLearnerRank:
         self.incarnation = 0
         self.errors: list[str] = []
         self.garbage_sent_at: int | None = None  # len(received) when the garbage went out
+        self.done = False  # set True: the credits say the learner finished training (actors stop at once)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-learner", daemon=True)
 
@@ -86,7 +87,8 @@ class FakeLearnerRank:
                 if now - last_credit >= 0.1:
                     self.pub.publish(encode_credits(
                         rank=self.rank, ver_current=self.ver_current, depth=len(self.queue), target=self.target,
-                        version_window=self.version_window, received_total=self.total, actors=self.tally.as_map()))
+                        version_window=self.version_window, received_total=self.total, actors=self.tally.as_map(),
+                        done=self.done))
                     last_credit = now
                 if self.restart_after is not None and self.incarnation == 0 and len(self.received) >= self.restart_after:
                     self._restart()

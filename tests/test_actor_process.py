@@ -133,3 +133,79 @@ def test_the_actor_survives_a_receiver_restart(run):
 
 def test_the_whole_scenario_runs_in_under_a_minute(run):
     assert run["elapsed"] < 60, f"actor run took {run['elapsed']:.0f}s"
+
+
+class _HeldInfer:
+    """A real HTTP server on loopback whose ``/infer`` never answers until released: rollouts stay in flight."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        release = self.release = threading.Event()
+        self.calls = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                outer.calls += 1
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                release.wait(120)
+                self.send_response(503)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "_HeldInfer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_actor_told_done_exits_0_at_once_even_with_rollouts_in_flight(tiny_model_dir, synth_data_dir, tmp_path):
+    """The learner's last credits say done while the actor's /infer calls hang: the process must not wait for
+    them (its pool threads would hold interpreter exit until the server answered, and the launcher would
+    SIGTERM it: exit -15, seen on the two-node run)."""
+    transport = TransportConfig(host="127.0.0.1", base_port=free_port_block(2), hwm=16)
+    learner = FakeLearnerRank(transport, target=TARGET)
+    with learner, _HeldInfer() as server:
+        cmd = [sys.executable, "-m", "actor", "--rank", "0", "--config", str(REPO / "configs" / "demo_cpu.yaml"),
+               f"model.path={tiny_model_dir}", f"data.train_jsonl={synth_data_dir / 'train.jsonl'}",
+               f"training.output_dir={tmp_path}", f"transport.base_port={transport.base_port}",
+               f"rollout_matching.vllm.servers=[{{base_url: '{server.url}'}}]",
+               "rollout_matching.vllm.infer_timeout_s=120", "actor.learner_wait_timeout_s=30"]
+        log_path = tmp_path / "actor.log"
+        with log_path.open("w") as log_f:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_f, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_VERBOSITY": "error"})
+            try:
+                deadline = time.monotonic() + 60
+                while server.calls == 0 and time.monotonic() < deadline and proc.poll() is None:
+                    time.sleep(0.1)
+                assert server.calls > 0, "the actor sent no /infer call:\n" + log_path.read_text()[-3000:]
+                learner.done = True
+                t0 = time.monotonic()
+                try:
+                    rc = proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"actor pid {proc.pid} still running 20 s after 'done' with rollouts in flight "
+                                "(it waits for its abandoned /infer threads):\n" + log_path.read_text()[-3000:])
+                took = time.monotonic() - t0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+    log = log_path.read_text()
+    assert rc == 0, log[-3000:]
+    assert "rollout batches in flight abandoned" in log and "exiting: 0 rollout" not in log, log[-3000:]
+    assert took < 20  # never the 120 s read deadline of the held calls

@@ -398,6 +398,25 @@ def test_tiny_model_build_is_skipped_when_up_to_date(tiny_model_dir):
     assert (tiny_model_dir / BUILD_FILE).stat().st_mtime_ns == stamp
 
 
+def test_a_pool_initialised_model_loads_finite_with_unit_norms_zero_biases_and_the_usual_weight_scale(tmp_path):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tools.make_tiny_model import BUILD_FILE, ensure_tiny_model
+
+    out = ensure_tiny_model(tmp_path / "pool", init="pool")
+    assert json.loads((out / BUILD_FILE).read_text())["params"]["init"] == "pool"  # its own cache key
+    named = dict(AutoModelForImageTextToText.from_pretrained(out).named_parameters())
+    assert all(torch.isfinite(p).all() for p in named.values())
+    norms = [p for n, p in named.items() if "norm" in n and n.endswith("weight")]
+    biases = [p for n, p in named.items() if n.endswith("bias")]
+    assert norms and all(bool((p == 1).all()) for p in norms) and biases and all(not p.any() for p in biases)
+    big = [p for n, p in named.items() if p.dim() == 2 and "norm" not in n]
+    std = torch.cat([p.detach().reshape(-1) for p in big]).std()
+    assert 0.015 < float(std) < 0.025  # initializer_range 0.02
+    assert not torch.equal(big[0].reshape(-1)[:64], big[1].reshape(-1)[:64])  # slices at different offsets
+
+
 def test_every_preset_has_consistent_heads_mrope_sections_and_vision_output(loaded):
     from tools.make_tiny_model import PRESETS, build_config
 

@@ -23,7 +23,7 @@ DEADLINE_S = 420
 
 def _config(tmp_path: Path, model_dir: Path, data_dir: Path) -> tuple[Path, dict]:
     """The demo config on ``model_dir`` (the warm-started test detector) and ``data_dir``, evaluated at both
-    ends, in the specified blocking sync mode (the demo itself runs overlap)."""
+    ends, in the specified blocking sync mode behind the demo's abort fence, syncing every 2 steps."""
     cfg = yaml.safe_load((REPO / "configs/demo_cpu.yaml").read_text())
     http = free_port_block(1)
     zmq = free_port_block(4)

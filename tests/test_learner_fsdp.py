@@ -10,8 +10,8 @@ script, each rank writing its own result file and rank 0 the full weights::
     fsdp × 1 rank, cpu_offload          /
 
 No rollout server: the start-up push fails (not fatal), ver stays 0, so every B pack stays fresh.
-``max_steps`` is one more than the steps run, so no final checkpoint is written (learner/checkpoint.py is
-tested on its own). Tolerances (fp32 on CPU; the engines sum gradients in a different order, AdamW
+``training.save_final: false``: no final checkpoint is written (learner/checkpoint.py is tested on its own;
+here the key is). Every run uses ``training.adamw_impl: auto`` (fused AdamW on the CPU). Tolerances (fp32 on CPU; the engines sum gradients in a different order, AdamW
 amplifies the last bits of near-zero gradients): loss rel 1e-5 per step, weights atol 1e-4.
 
 Also: FSDP2 gradients equal DDP's when one rank's pack has no image (the zero vision term keeps the
@@ -27,6 +27,26 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+def test_adamw_impl_picks_torchs_fused_kernel_where_it_exists_and_honours_an_explicit_choice():
+    import torch
+
+    from common.config import ConfigError, load_config
+    from learner.model import adamw_fused, build_optimizer
+
+    repo = Path(__file__).resolve().parents[1]
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    params = list(model.parameters())
+    assert adamw_fused(params, "auto") and adamw_fused(params, "fused") and not adamw_fused(params, "foreach")
+    assert not adamw_fused([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))], "auto")  # no fused kernel
+    for impl, fused in (("auto", True), ("foreach", None)):
+        training = load_config(repo / "configs/demo_cpu.yaml", [f"training.adamw_impl={impl}"]).training
+        optimizer, _ = build_optimizer(model, training)
+        assert optimizer.defaults["fused"] is fused, impl
+    with pytest.raises(ConfigError) as err:
+        load_config(repo / "configs/demo_cpu.yaml", ["training.adamw_impl=apex"])
+    assert "training.adamw_impl = 'apex'" in str(err.value) and "'fused'" in str(err.value)
+
 
 if __name__ == "__main__":  # run as a rank script by torchrun: import from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,7 +113,7 @@ class _Run:
 
         self.name, self.nproc, self.out = name, nproc, tmp / name
         self.out.mkdir()
-        training = {"max_steps": STEPS + 1, "gradient_accumulation_steps": GA, "save_every_steps": 0,
+        training = {"max_steps": STEPS, "save_final": False, "gradient_accumulation_steps": GA, "save_every_steps": 0,
                     "trace_micro_steps": False, "gradient_checkpointing": learner.pop("checkpointing", False)}
         cfg_path = write_config(self.out / "cfg.yaml", model_dir=model_dir, data_dir=data_dir,
                                 output_dir=self.out / "run", nproc=nproc, training=training,
@@ -205,7 +225,21 @@ def test_every_step_record_carries_each_ranks_peak_memory_and_the_engine(runs):
             assert rec["mem/peak_rss_gb"] == max(by_rank)
             assert "mem/peak_allocated_gb" not in rec  # a CPU learner: no CUDA allocator keys
             assert rec["learner/parallel"] == name[:-1]
-            assert rec["time/step"] > 0
+            assert rec["time/step"] > rec["time/optimizer_step"] > 0  # the AdamW step is timed on its own
+
+
+@pytest.mark.slow
+def test_a_run_with_save_final_false_ends_at_max_steps_without_a_checkpoint(runs):
+    from launcher.summary import read_final_state
+
+    for name, run in runs.items():
+        assert [r["step"] for r in run["metrics"]][-1] == STEPS - 1 and run["ranks"][0]["steps"] == STEPS, name
+        assert not (run["run_dir"] / "checkpoints").exists() or not any((run["run_dir"] / "checkpoints").iterdir()), (
+            f"{name}: training.save_final false wrote a checkpoint")
+        # ... so the run's "end" record says what the server holds, and the summary reads it (no push: ver 0)
+        final = read_final_state(run["run_dir"], run["metrics"])
+        assert final is not None and final["record"] == "end" and final["step"] == STEPS and final["ver"] == 0, name
+        assert final["sync_counts"]["sync/failures"] >= 1, name  # the start-up push had no server
 
 
 @pytest.mark.slow

@@ -244,9 +244,37 @@ def build_config(preset: str, tokenizer):
     )
 
 
-def build_model(config, seed: int, dtype: str):
-    """Random weights, reproducible for a seed: built on the meta device, then materialised on CPU
-    and initialised by transformers' ``initialize_weights`` (which also fills the rotary buffers)."""
+POOL_VALUES = 1 << 24  # --init pool: one shared pool of normal draws (16 M values)
+
+
+def pool_init(model, seed: int, std: float) -> None:
+    """``--init pool``: every weight a slice of ONE pool of N(0, std) draws (at a seeded offset, tiled where
+    longer), norm weights 1, biases 0. Writing a 7B model costs a memory copy instead of billions of
+    random draws (minutes per module on the GPU image's CPU), for memory and speed work: the weights are
+    finite and of the usual scale, not independent. Parameters only: the rotary buffers are recomputed
+    whenever the directory is loaded (they are not saved)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(POOL_VALUES, generator=gen) * std
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "bias":
+                p.zero_()
+            elif "norm" in name or "ln_" in name:
+                p.fill_(1.0)
+            else:
+                flat, n = p.view(-1), p.numel()
+                start = int(torch.randint(0, POOL_VALUES, (1,), generator=gen))
+                reps = -(-(start + n) // POOL_VALUES)
+                flat.copy_(pool.repeat(reps)[start:start + n] if reps > 1 else pool[start:start + n])
+
+
+def build_model(config, seed: int, dtype: str, init: str = "hf"):
+    """Random weights, reproducible for a seed: built on the meta device, then materialised on CPU and
+    initialised by transformers' ``initialize_weights`` (which also fills the rotary buffers), or by
+    :func:`pool_init` (``init="pool"``)."""
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -254,7 +282,10 @@ def build_model(config, seed: int, dtype: str):
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=getattr(torch, dtype))
     model.to_empty(device="cpu")
-    model.initialize_weights()
+    if init == "pool":
+        pool_init(model, seed, float(getattr(config.text_config, "initializer_range", 0.02)))
+    else:
+        model.initialize_weights()
     model.tie_weights()
     text = config.text_config
     model.generation_config = GenerationConfig(
@@ -271,8 +302,8 @@ def build_image_processor():
     )
 
 
-def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None) -> dict:
-    return {
+def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None, init: str = "hf") -> dict:
+    params = {
         "builder": "tools/make_tiny_model.py",
         "version": BUILDER_VERSION,
         "preset": preset,
@@ -280,6 +311,9 @@ def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None) 
         "coord_tokens": coord_tokens,
         "dtype": dtype or PRESETS[preset]["dtype"],
     }
+    if init != "hf":  # the default leaves earlier builds' parameters (and caches) as they were
+        params["init"] = init
+    return params
 
 
 def _is_built(out: Path, params: dict) -> bool:
@@ -292,7 +326,7 @@ def _is_built(out: Path, params: dict) -> bool:
 def _write(out: Path, params: dict) -> dict:
     tokenizer = build_tokenizer(params["coord_tokens"])
     config = build_config(params["preset"], tokenizer)
-    model = build_model(config, params["seed"], params["dtype"])
+    model = build_model(config, params["seed"], params["dtype"], params.get("init", "hf"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
     build_image_processor().save_pretrained(out)  # preprocessor_config.json
@@ -325,6 +359,7 @@ def ensure_tiny_model(
     coord_tokens: bool = True,
     dtype: str | None = None,
     force: bool = False,
+    init: str = "hf",
 ) -> Path:
     """The model directory at ``path``, built unless it already holds a build with these parameters.
 
@@ -334,7 +369,7 @@ def ensure_tiny_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out = Path(path)
-    params = build_params(preset, seed, coord_tokens, dtype)
+    params = build_params(preset, seed, coord_tokens, dtype, init)
     build_once(out, marker=BUILD_FILE, is_built=lambda d: _is_built(d, params), write=lambda tmp: _write(tmp, params),
                owner="tools/make_tiny_model.py", force=force)
     return out
@@ -349,12 +384,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="weight dtype (default: float32 for tiny, bfloat16 otherwise)")
     parser.add_argument("--no-coord-tokens", action="store_true", help="leave out the 1000 <|coord_k|> tokens")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is up to date")
+    parser.add_argument("--init", choices=["hf", "pool"], default="hf",
+                        help="hf: transformers' own initialisation (default); pool: slices of one pool of random "
+                             "draws, seconds instead of minutes for 7b (memory and speed work, not learning)")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     try:
         out = ensure_tiny_model(
             args.out, preset=args.preset, seed=args.seed, coord_tokens=not args.no_coord_tokens,
-            dtype=args.dtype, force=args.force,
+            dtype=args.dtype, force=args.force, init=args.init,
         )
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
