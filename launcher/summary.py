@@ -140,6 +140,7 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "busy_fraction": _busy(records),
         "wait_for_packs_s": sum(r.get("time/wait_for_packs", 0.0) for r in records),
         "wait_for_a_window_s": sum(r.get("time/wait_for_a_window", 0.0) for r in records),
+        "optimizer_step_s": sum(r.get("time/optimizer_step", 0.0) for r in records),
         **rollout_totals(b_recs),
         "loss_first": records[0].get("loss/total"),
         "loss_last": last.get("loss/total"),
@@ -253,7 +254,7 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"{s.get('sync_stall_n', 0)} after the first; {_pct(s.get('sync_stall_share'))} of training time)",
         f"mean pack fill         B {f(s['mean_fill_b'])}  A {f(s['mean_fill_a'])}",
         f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s, "
-        f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s)",
+        f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s; optimizer steps {s.get('optimizer_step_s', 0.0):.2f} s)",
         _rollout_line(s, f),
         f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
         _learner_line(s, f),

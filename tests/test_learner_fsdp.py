@@ -256,7 +256,13 @@ def test_the_run_summary_reports_the_engine_the_median_step_time_and_each_ranks_
     peaks = saved["peak_memory_gb_by_rank"]
     assert peaks["rss"] == [max(r["mem/peak_rss_gb_by_rank"][i] for r in run["metrics"]) for i in (0, 1)]
     assert peaks["allocated"] is None and peaks["reserved"] is None  # a CPU learner
-    assert "learner                fsdp, step " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "learner                fsdp, step " in out
+    # busy counts forward/backward only: the busy line says how long the optimizer steps took beside it
+    steps_s = sum(r["time/optimizer_step"] for r in run["metrics"])
+    assert saved["optimizer_step_s"] == pytest.approx(steps_s) and f"optimizer steps {steps_s:.2f} s)" in out
+    fb, total = (sum(r[k] for r in run["metrics"]) for k in ("time/forward_backward_mean", "time/step"))
+    assert saved["busy_fraction"] == pytest.approx(fb / total)  # time-weighted
 
 
 # --------------------------------------------------------------------------------------------- an image-less pack

@@ -9,7 +9,9 @@ is (``AutoModelForImageTextToText`` / ``AutoTokenizer`` / ``AutoProcessor.from_p
   ``--preset``; ``tiny`` (default, ~0.9 M parameters, float32) is what CPU tests and the demo use.
   The bigger presets have realistic Qwen2.5 shapes for GPU work; they are built on the meta device and
   materialised with transformers' own initialisation in bfloat16, so building the 7b preset costs
-  memory and a minute of random-number generation, not an hour of per-module init.
+  memory and a minute of random-number generation, not an hour of per-module init (on the GPU
+  image's CPU it took over 200 s; ``--init pool`` fills every weight from one pool of 16 M normal
+  draws instead: 24 s for 7b there, for memory and speed work, not for learning).
 - A byte-level BPE tokenizer trained here on a small generated corpus (the prompts, the assistant JSON,
   the synthetic data's words, common English), with Qwen2's pre-tokenizer, the Qwen chat special tokens
   (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ... ``<|image_pad|>``, ``<|video_pad|>``) and then
