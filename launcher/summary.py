@@ -76,14 +76,15 @@ def read_eval_records(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_records(run_dir) if record_kind(r) == "eval"]
 
 
-def read_final_state(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+def read_final_state(run_dir: Path, records: list[dict[str, Any]],
+                     ends: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The trainer state of the checkpoint written after the last recorded step, if there is one, else the
     run's ``"record": "end"`` line of that step (``training.save_final: false``).
 
     Why: that checkpoint first settles the push in flight (overlap mode) and the final push for the
     evaluation, so the ver it saves (the server's) can be past the last metrics record's; "final ver"
     must say what the server holds. A checkpoint of an earlier step (a run that died later) is not the
-    end of the run: ignored.
+    end of the run: ignored. ``ends``: the run's ``end`` records when the caller has read them (else read here).
     """
     if not records or "step" not in records[-1]:
         return None
@@ -92,8 +93,10 @@ def read_final_state(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, 
     try:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        ends = [r for r in read_records(run_dir) if record_kind(r) == "end" and r.get("step") == done]
-        state = ends[-1] if ends else None
+        if ends is None:
+            ends = [r for r in read_records(run_dir) if record_kind(r) == "end"]
+        mine = [r for r in ends if r.get("step") == done]
+        state = mine[-1] if mine else None
     return state if isinstance(state, dict) and isinstance(state.get("ver"), int) else None
 
 
@@ -327,8 +330,11 @@ def _pct(x: float | None) -> str:
 
 
 def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> dict:
-    records, evals = read_split(run_dir)
-    s = summarize(records, read_final_state(run_dir, records), evals)
+    by_kind: dict[str, list[dict[str, Any]]] = {"step": [], "eval": [], "end": []}
+    for r in read_records(run_dir):  # one read: step, eval and end records
+        by_kind.setdefault(record_kind(r), []).append(r)
+    records, evals = by_kind["step"], by_kind["eval"]
+    s = summarize(records, read_final_state(run_dir, records, by_kind["end"]), evals)
     if s.get("steps"):
         s["val_jsonl"] = _val_jsonl(run_dir)
     if wall_s is not None:
