@@ -32,13 +32,22 @@
 #                                  # (configs/gpu/fsdp_7b_1gpu.yaml, 20 steps), then learner.parallel=ddp (3 steps);
 #                                  # then the sharded-learner GPU sync tests (ipc + http, one GPU)
 #
+# 4-GPU machine (nvidia-h100-x4), ONE session, vLLM staged part by part between G1 and G8 (each call carries one
+# .vllm-pN; G1 also installs the project's wheels into /tmp/site0, G8 installs vLLM into /tmp/site):
+#   bash bench/gpu_session.sh G1   # issue 20 on two GPUs: DDP vs FSDP2 learners (2 ranks, GPUs 1-2) at 1.5b and 7b,
+#                                  # hf server on GPU 0 (configs/gpu/fsdp_2gpu.yaml): peak memory, step time, sync
+#   bash bench/gpu_session.sh G2   # Stage-B throughput vs world size 1, 2, 4 (0.5b, hf engine in-process)
+#   bash bench/gpu_session.sh G8   # quality per learner-second from the tiny detector's warm start, vLLM 1 + 1 twice:
+#                                  # A-only then step on GPUs 0-1, async AB then the NCCL sync bench on GPUs 2-3
+#   bash bench/gpu_session.sh G9   # make test-gpu (every GPU test, the two-GPU ones included)
+#
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
 # Needs vLLM 0.26.0 importable (docs/gpu.md: staged under /tmp/site) and writes logs and results to
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -114,7 +123,7 @@ bundle() {  # bundle NAME PATH...: one tar.gz of what exists (log files cut to t
       find "$p" -type f | while read -r f; do
         mkdir -p "$stage/$(dirname "$f")"
         case "$f" in
-          *.log|*.txt) tail -n 3000 "$f" > "$stage/$f" ;;
+          *.log|*.txt|*.out) tail -n 3000 "$f" > "$stage/$f" ;;
           *.json|*.jsonl) [ "$(stat -c %s "$f")" -lt 4000000 ] && cp "$f" "$stage/$f" ;;
         esac
       done
@@ -448,12 +457,82 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     step tiny-model 60 python3 tools/make_tiny_model.py --out artifacts/tiny-model
     step test-gpu-fsdp-sync 150 python3 -m pytest -q -m gpu tests/test_gpu_weight_sync.py -k sharded -rs -p no:cacheprovider
     ;;
+  G1)  # ~8 min, 4 GPUs, no vLLM needed: DDP vs FSDP2 on a 2-rank learner (GPUs 1-2) beside an hf server (GPU 0),
+       # 1.5b then 7b (built with --init pool in /dev/shm), 12 steps each, blocking NCCL sync every 4 steps
+    BUDGET=${BUDGET:-580}
+    mkdir -p .make && touch .make/installed
+    step env 30 bash -c 'nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv; nproc; free -g | head -2;
+      df -h /tmp /dev/shm | tail -2; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__,
+      torch.cuda.device_count())"'
+    step models 200 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
+      python3 tools/make_tiny_model.py --preset 1.5b --init pool --out /dev/shm/tandem-models/1.5b &&
+      python3 tools/make_tiny_model.py --preset 7b --init pool --out /dev/shm/tandem-models/7b &&
+      python3 -m common.synthetic --out $DATA --n 96 --seed 0 && du -sh /dev/shm/tandem-models/*"
+    for size in 1.5b 7b; do
+      for par in fsdp ddp; do
+        name=g1-$par-$size
+        rm -rf "runs/$name"
+        KILL_AFTER=30 step "launcher-$name" 170 python3 -m launcher --config configs/gpu/fsdp_2gpu.yaml \
+          model.path=/dev/shm/tandem-models/$size learner.parallel=$par training.output_dir="runs/$name" run_name="$name" \
+          --grace-s 20
+        grep -h -m1 -A2 "OutOfMemoryError" "runs/$name/logs/learner.log" 2>/dev/null | head -3 | tee -a "$LOG"
+      done
+    done
+    evidence --json "$OUT/evidence-G1.json" runs/g1-* >>"$LOG" 2>&1
+    python3 - <<'PYEOF' 2>&1 | tee -a "$LOG"
+import json, pathlib
+for run in sorted(pathlib.Path("runs").glob("g1-*")):
+    f = run / "summary.json"
+    s = json.loads(f.read_text()) if f.is_file() else {}
+    print(run.name, "steps", s.get("steps"), "step median", s.get("step_time_median_s"), "peak",
+          s.get("peak_memory_gb_by_rank"), "stall", s.get("sync_stall_median_s"), "exit", s.get("exit_codes"))
+PYEOF
+    bundle logs-G1.tar.gz runs/g1-*/logs runs/g1-*/summary.json runs/g1-*/metrics.jsonl
+    ;;
+  G2)  # ~4 min, 4 GPUs, no vLLM: Stage-B (hf engine in each rank) at world size 1, 2, 4 on the 0.5b preset
+    BUDGET=${BUDGET:-300}
+    mkdir -p .make && touch .make/installed
+    [ -f $MODELS/0.5b/tandem_build.json ] || step models 120 python3 tools/make_tiny_model.py --preset 0.5b --init pool \
+      --out $MODELS/0.5b
+    step stage-b 260 python3 bench/bench_stage_b.py --world-sizes 1,2,4 --config configs/stage_b/demo_cpu.yaml \
+      --out "$OUT/stage_b.json" model.path=$MODELS/0.5b model.dtype=bfloat16 tickets.demo.num_groups=64
+    ;;
+  G8)  # ~9 min, 4 GPUs, vLLM: two 1 + 1 pairs side by side from the tiny detector's warm start (configs/gpu/quality_split.yaml),
+       # 75 learner-seconds an arm: GPUs 0-1 A-only then step, GPUs 2-3 async AB then the NCCL weight-sync bench
+    BUDGET=${BUDGET:-580}
+    mkdir -p .make && touch .make/installed
+    step env 30 bash -c 'nvidia-smi --query-gpu=index,memory.used --format=csv; python3 -c "import vllm, pycocotools; print(vllm.__version__)"'
+    [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/   # carried: make tiny-detector
+    step data 120 bash -c "[ -f artifacts/tiny-model/tandem_build.json ] || python3 tools/make_tiny_model.py --out artifacts/tiny-model;
+      python3 -m common.synthetic --out artifacts/data/detect --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6"
+    PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
+    Q="python3 bench/bench_quality.py --config configs/gpu/quality_split.yaml --budget-s ${QBUDGET:-75} --eval-every 100"
+    step quality-pair1 470 $Q --arms a_only,step --out runs/g8-pair1 --json "$OUT/quality-pair1.json" &
+    P1=$!
+    # shellcheck disable=SC2086  # $PAIR2 is a list of overrides
+    ( sleep 20; VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 step quality-pair2 250 $Q --arms async_ab --out runs/g8-pair2 \
+        --json "$OUT/quality-pair2.json" $PAIR2 'rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
+      step bench-sync 220 $BENCH --presets 0.5b,1.5b,7b --weight-load fast --syncs 3 --reps 3 --server-gpus 2 \
+        --learner-gpu 3 --log-dir "$OUT/bench-logs" --out "$OUT/bench-sync.json" ) &
+    P2=$!
+    wait $P1 $P2
+    for k in 1 2; do cp "runs/g8-pair$k/quality.png" "$OUT/quality-pair$k.png" 2>/dev/null; done
+    bundle logs-G8.tar.gz runs/g8-pair1 runs/g8-pair2 "$OUT/bench-logs"
+    rm -rf "$OUT/bench-logs"
+    ;;
+  G9)  # ~6 min, 4 GPUs, vLLM: every GPU test (make test-gpu), the two-GPU NCCL ones included
+    BUDGET=${BUDGET:-400}
+    mkdir -p .make && touch .make/installed
+    [ -f artifacts/tiny-model/tandem_build.json ] || step tiny-model 60 python3 tools/make_tiny_model.py --out artifacts/tiny-model
+    step test-gpu 380 python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider --durations=10
+    grep -h "passed\|failed\|SKIPPED\|Error" "$LOG" | tail -15
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|E" >&2
     exit 2
     ;;
 esac

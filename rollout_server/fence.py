@@ -15,7 +15,10 @@ that ``ver`` is exact for the whole batch::
 ``abort`` fence mode: a cancelled batch is re-run by :meth:`Fence.run` after the fence reopens, under
 the new ``ver``; the client just sees a slower success (no ``finish_reason: abort`` ever leaves the
 server). An abort of a request that had already produced its outputs is a no-op: the batch keeps
-its old ``ver``.
+its old ``ver``. A batch is cut at most once (:data:`MAX_CUTS`): its re-run is drained by the next
+fence, not cut again. Without that bound, syncs that come faster than a batch runs cut every batch
+forever: on 4 x H200 (2026-11-26) a tiny learner syncing every ~2.5 s left its 4 actors with zero
+finished rollouts in 75 s and its evaluation waiting 69 s, every fence aborting the same 5 batches.
 
 What this module does not know: HTTP, sessions, engines or weights (the sync controller closes and
 opens the fence; the /infer route runs its work through it).
@@ -31,6 +34,11 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+#: How many times an abort-mode fence may cut one batch; a batch cut this often is drained instead. One
+#: cut keeps abort's point (a sync does not wait for work started under the old weights) and bounds every
+#: batch's latency by one re-run, however often syncs come.
+MAX_CUTS = 1
+
 
 class AdmissionTimeout(Exception):
     """An /infer call waited longer than ``rollout_server.admission_timeout_s`` at the fence."""
@@ -44,6 +52,7 @@ class Ticket:
     admitted_at: float
     task: asyncio.Future | None = None
     aborted: bool = False
+    cuts: int = 0  # times this batch was cut before this admission: at MAX_CUTS a fence drains it
 
 
 class Fence:
@@ -58,6 +67,7 @@ class Fence:
     def __init__(self, ver: int = 0, on_wait: Callable[[float], None] | None = None) -> None:
         self.ver = ver
         self.reruns = 0
+        self.spared = 0  # abort-mode fences that drained a re-run batch instead of cutting it again
         self.waiting = 0
         self._open = True
         self._cond = asyncio.Condition()
@@ -76,9 +86,11 @@ class Fence:
 
     async def run(self, work: Callable[[], Awaitable[T]], *, min_ver: int | None = None,
                   timeout_s: float = 600.0) -> tuple[Ticket, T]:
-        """Run ``work()`` under an admission ticket; re-run it if an abort-mode fence cuts it."""
+        """Run ``work()`` under an admission ticket; re-run it if an abort-mode fence cuts it (once)."""
+        cuts = 0
         while True:
             ticket = await self._admit(min_ver, timeout_s)
+            ticket.cuts = cuts
             try:
                 task = asyncio.ensure_future(work())
                 ticket.task = task
@@ -88,6 +100,7 @@ class Fence:
                     me = asyncio.current_task()
                     if ticket.aborted and (me is None or not me.cancelling()):
                         self.reruns += 1
+                        cuts += 1
                         continue  # cut by the fence, not by our caller: wait for the gate, run again
                     raise
                 return ticket, result
@@ -128,9 +141,13 @@ class Fence:
             return len(self._inflight)
 
     def abort_inflight(self) -> int:
-        """Cancel every running batch (they re-run after :meth:`open`); returns how many."""
+        """Cancel every running batch not yet cut :data:`MAX_CUTS` times (they re-run after :meth:`open`; the
+        others are drained); returns how many were cut."""
         n = 0
         for ticket in list(self._inflight):
+            if ticket.cuts >= MAX_CUTS:
+                self.spared += 1
+                continue
             if ticket.task is not None and not ticket.task.done():
                 ticket.aborted = True
                 ticket.task.cancel()

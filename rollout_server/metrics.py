@@ -13,6 +13,7 @@ the role of the ``<area>/`` of run metrics)::
     rollout_admission_waiting                 /infer calls waiting at a closed fence now
     rollout_admission_wait_seconds            time spent waiting at the fence (histogram)
     rollout_fence_reruns                      batches cut by an abort-mode fence and re-run
+    rollout_fence_spared                      re-run batches an abort-mode fence drained instead of cutting again
     rollout_sync_seconds{phase}               fence | wire | commit | total, per committed sync
     rollout_syncs_total{outcome}              committed | aborted | failed | timeout | stalled (upload stopped)
     rollout_cancelled_total{reason}           batches cancelled before they finished: client_disconnect
@@ -57,6 +58,8 @@ class ServerMetrics:
         self.admission_wait = Histogram("rollout_admission_wait_seconds", "Time spent waiting at the fence", registry=r,
                                         buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300))
         self.reruns = Gauge("rollout_fence_reruns", "Batches cut by an abort-mode fence and re-run", registry=r)
+        self.spared = Gauge("rollout_fence_spared", "Re-run batches an abort-mode fence drained instead of cutting "
+                            "again (a batch is cut at most once)", registry=r)
         self.sync_seconds = Histogram("rollout_sync_seconds", "Weight sync duration by phase", ["phase"], registry=r,
                                       buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
         self.syncs = Counter("rollout_syncs", "Sync sessions by outcome", ["outcome"], registry=r)
@@ -78,6 +81,7 @@ class ServerMetrics:
         self.inflight.set_function(lambda: fence.inflight)
         self.admission_waiting.set_function(lambda: fence.waiting)
         self.reruns.set_function(lambda: fence.reruns)
+        self.spared.set_function(lambda: fence.spared)
         self.ver.set_function(lambda: fence.ver)
 
     def observe_batch(self, n_items: int, prompt_tokens: int, generated: int, seconds: float) -> None:

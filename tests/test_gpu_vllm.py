@@ -297,8 +297,9 @@ def test_fast_and_native_loads_leave_bit_identical_weights(server, learner, send
 def test_under_cuda_graphs_pushing_the_disk_weights_back_restores_the_servers_own_greedy_output(graph_server, learner):
     """Syncs are exact with CUDA graphs on, judged by the server itself (HF's greedy output differs under graphs
     anyway: module docstring): greedy tokens and weight digest at ver 0 (loaded from disk) equal those after a
-    perturbed ver 1 and the checkpoint's own weights pushed back as ver 2, over the same-GPU ``ipc`` transport
-    and then over ``http``. One GPU: the learner beside the server."""
+    perturbed ver 1 and the checkpoint's own weights pushed back as ver 2, over the GPU transport of the placement
+    (one GPU: the learner beside the server, CUDA ``ipc``; two: the learner on GPU 1, ``nccl``) and then over
+    ``http``. (CUDA IPC across two GPUs is refused by the server, by design: 4 x H200, 2026-11-26.)"""
     from learner.sync import make_sender
 
     items = [{"id": "ids", "prompt_token_ids": learner.prompt_ids},
@@ -324,7 +325,7 @@ def test_under_cuda_graphs_pushing_the_disk_weights_back_restores_the_servers_ow
     ver0, out0 = served()
     d0 = digest()
     ver = ver0
-    for transport in ("ipc", "http"):  # ipc: the same-GPU path (CUDA IPC); http: the portable one
+    for transport in ("nccl" if TWO_GPUS else "ipc", "http"):  # the placement's GPU path; http: the portable one
         with make_sender(graph_server.url, transport, timeout_s=300) as sender:
             learner.set_version(1)
             push1 = sender.push(learner.model.named_parameters(), bucket_bytes=512 << 20)

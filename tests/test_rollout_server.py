@@ -124,7 +124,7 @@ def test_metrics_expose_requests_tokens_inflight_admission_sync_and_ver(server):
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
     for key in ("rollout_requests_total", "rollout_items_total", "rollout_generated_tokens_total",
                 "rollout_prompt_tokens_total", "rollout_tokens_per_second", "rollout_inflight",
-                "rollout_admission_waiting", "rollout_admission_wait_seconds_count", "rollout_fence_reruns",
+                "rollout_admission_waiting", "rollout_admission_wait_seconds_count", "rollout_fence_reruns", "rollout_fence_spared",
                 'rollout_sync_seconds_count{phase="fence"}', 'rollout_sync_seconds_count{phase="commit"}',
                 'rollout_syncs_total{outcome="committed"}', "rollout_ver 0.0", "rollout_infer_seconds_bucket"):
         assert key in text, key

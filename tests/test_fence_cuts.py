@@ -1,0 +1,97 @@
+"""An abort-mode fence cuts a batch at most once, so syncs that come faster than a batch runs cannot starve it.
+
+The storm here is what 4 x H200 showed (docs/benchmarks.md section 16): a learner syncing every ~2.5 s while a
+batch needed longer, every fence cutting the same batches, zero rollouts finished. Scaled down: batches of
+0.2 s, a sync every 0.05 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout_server import fence as fence_mod
+from rollout_server.fence import Fence
+
+WORK_S = 0.2
+SYNC_EVERY_S = 0.05
+
+
+async def _storm(fence: Fence, stop: asyncio.Event, log: list[tuple[int, int]]) -> None:
+    """Abort-mode syncs back to back: close, cut what may be cut, wait for the rest, reopen at ver + 1."""
+    while not stop.is_set():
+        await fence.close()
+        cut = fence.abort_inflight()
+        await fence.wait_quiet(timeout_s=5)
+        await fence.open(fence.ver + 1)
+        log.append((fence.ver, cut))
+        await asyncio.sleep(SYNC_EVERY_S)
+
+
+async def _batches(fence: Fence, n: int, storm_s: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+    """``n`` batches under a storm of ``storm_s`` seconds: (ver, attempts) of each finished one, the syncs, and
+    how many were still running when the storm ended."""
+    stop, syncs = asyncio.Event(), []
+    storm = asyncio.create_task(_storm(fence, stop, syncs))
+
+    async def batch() -> tuple[int, int]:
+        attempts = 0
+
+        async def work() -> int:
+            nonlocal attempts
+            attempts += 1
+            await asyncio.sleep(WORK_S)
+            return attempts
+
+        ticket, _ = await fence.run(work, timeout_s=10)
+        return ticket.ver, attempts
+
+    await asyncio.sleep(0.01)  # the first sync's fence is open again: batches start between syncs
+    tasks = [asyncio.create_task(batch()) for _ in range(n)]
+    done, pending = await asyncio.wait(tasks, timeout=storm_s)
+    stop.set()
+    await storm
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return [t.result() for t in done], syncs, len(pending)
+
+
+def test_a_batch_cut_once_is_drained_by_the_next_fence_and_finishes_under_a_sync_storm():
+    fence = Fence()
+    finished, syncs, running = asyncio.run(_batches(fence, n=4, storm_s=2.0))
+    assert running == 0 and len(finished) == 4, f"{running} of 4 batches never finished under {len(syncs)} syncs"
+    assert all(attempts <= 1 + fence_mod.MAX_CUTS for _, attempts in finished), finished
+    assert fence.reruns >= 1, "no batch was cut: the storm did not exercise the abort fence"
+    assert fence.spared >= 1, "no re-run was drained: the bound was not exercised"
+    served = {ver for ver, _ in syncs} | {0}
+    assert all(ver in served for ver, _ in finished), (finished, syncs)  # each tagged with a ver that was served
+
+
+def test_without_the_bound_the_same_storm_finishes_no_batch(monkeypatch):
+    """The hazard the bound removes (so the test above is not passing by accident)."""
+    monkeypatch.setattr(fence_mod, "MAX_CUTS", 10**9)
+    fence = Fence()
+    finished, syncs, running = asyncio.run(_batches(fence, n=4, storm_s=1.0))
+    assert finished == [] and running == 4, finished
+    assert fence.reruns >= 4 * 3 and fence.spared == 0, (fence.reruns, fence.spared, len(syncs))
+
+
+def test_a_drain_wait_for_a_spared_batch_is_bounded_by_one_batch():
+    """The price of the bound: a fence that meets a re-run waits for it, at most about one batch's time."""
+    fence = Fence()
+
+    async def timed() -> list[float]:
+        waits: list[float] = []
+        orig = fence.wait_quiet
+
+        async def wait_quiet(timeout_s: float) -> None:
+            t0 = asyncio.get_running_loop().time()
+            await orig(timeout_s)
+            waits.append(asyncio.get_running_loop().time() - t0)
+
+        fence.wait_quiet = wait_quiet  # type: ignore[method-assign]
+        await _batches(fence, n=2, storm_s=0.6)
+        return waits
+
+    waits = asyncio.run(timed())
+    assert waits and max(waits) <= WORK_S + 0.15, waits
