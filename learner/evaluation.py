@@ -127,6 +127,10 @@ class PeriodicEval:
         log.info("eval at step %d (ver %d): F1@0.5 %s, mAP %s, mAP50 %s, parse failures %.0f %%, %.1f objects/image "
                  "(GT %.1f), %.1f s", step, result.ver_max, _fmt(r.f1), _fmt(r.map), _fmt(r.map_50),
                  100 * r.parse_failure_rate, r.objects_per_image, r.gt_per_image, result.elapsed_s)
+        if result.ver_max > ver:  # an abort-mode fence cut the request and the server re-ran it on newer weights
+            log.warning("eval at step %d scored ver %d, not the ver %d it asked for: a sync fence (abort) cut it and the "
+                        "server re-ran it on newer weights, so its step is a lower bound; fence: drain or sync_mode: "
+                        "overlap keeps an evaluation on its own ver", step, result.ver_max, ver)
 
 
 def _fmt(v: float | None) -> str:

@@ -205,6 +205,17 @@ def test_periodic_eval_asks_for_its_ver_as_min_ver_with_the_runs_prompts(tmp_pat
     assert rec["eval/parse_failure_rate"] == 1.0  # empty answers
 
 
+def test_an_evaluation_scored_on_newer_weights_than_it_asked_for_says_so(tmp_path, tiny_model_dir, synth_data_dir,
+                                                                        caplog):
+    """An abort fence may re-run the request on the next ver (once): the record keeps both vers, the log says why."""
+    for served, warned in [(8, False), (9, True)]:
+        caplog.clear()
+        with RecordingServer(ver=served) as peer:
+            pe = PeriodicEval(eval_cfg(tmp_path, tiny_model_dir, synth_data_dir, peer.url), is_main=True, write=Sink())
+            pe.final(6, 8, deadline_s=5)
+        assert ("scored ver 9, not the ver 8 it asked for" in caplog.text) is warned, caplog.text
+
+
 class FakeSync:
     """WeightSync's ``boundary`` with a scripted outcome per step: "ok", "fail", "pending" (overlap, in flight) or None."""
 
