@@ -145,13 +145,14 @@ class Fence:
         others are drained); returns how many were cut."""
         n = 0
         for ticket in list(self._inflight):
+            if ticket.task is None or ticket.task.done():
+                continue
             if ticket.cuts >= MAX_CUTS:
                 self.spared += 1
                 continue
-            if ticket.task is not None and not ticket.task.done():
-                ticket.aborted = True
-                ticket.task.cancel()
-                n += 1
+            ticket.aborted = True
+            ticket.task.cancel()
+            n += 1
         return n
 
     async def wait_quiet(self, timeout_s: float) -> None:
