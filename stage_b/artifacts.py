@@ -16,7 +16,8 @@ Files (JSONL = one record per line, appended in global batch order):
   guidance.json                the current guidance (``step``, experiences)
   guidance_snapshots/          step_NNNNNN.json, the newest ``guidance.snapshot_retention``
   need_review.json             end of run: need-review keys grouped by reason
-  run_summary.json             end of run: status (ok | failed + error), counts, world size
+  run_summary.json             end of run: status (ok | failed + error), counts, world size, rank 0's
+                               timing (runner.RunTiming), every file written here (``files``)
   ===========================  ==============================================================
 """
 

@@ -74,6 +74,32 @@ class RunSummary:
     files_written: list[str] = field(default_factory=list)
 
 
+@dataclass
+class RunTiming:
+    """Where the run's time went, on this rank's clock; rank 0's is ``timing`` in run_summary.json.
+
+    ``loop_s`` is the throughput window: from the first global batch's broadcast to the end of the last
+    epoch's reflection flush (start-up, model load and the final broadcast excluded), so
+    ``tickets / loop_s`` compares world sizes without their different start-up costs (torchrun, one
+    model load per rank). Seconds, ``time.monotonic``.
+    """
+
+    setup_s: float = 0.0  # tickets + model load (+ artifact directory on rank 0), this rank
+    loop_s: float = 0.0  # first batch broadcast -> last epoch end; 0 when the run failed before it ended
+    rollout_s: float = 0.0  # sum over global batches of the SLOWEST rank's rollout (rank 0 sees every rank's)
+    wait_for_ranks_s: float = 0.0  # sum of this rank's idle time between its own rollout and the gather
+    select_s: float = 0.0  # rank 0: selection + artifact writing, reflection excluded
+    reflection_s: float = 0.0  # rank 0: reflection cycles, mid-batch and at epoch end
+    global_batches: int = 0
+    tickets: int = 0  # tickets rolled out, every epoch (a ticket judged in 2 epochs counts twice)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        out["tickets_per_s"] = round(self.tickets / self.loop_s, 3) if self.loop_s > 0 else None
+        out["rollout_tickets_per_s"] = round(self.tickets / self.rollout_s, 3) if self.rollout_s > 0 else None
+        return out
+
+
 def load_run_tickets(cfg: StageBConfig) -> tuple[list[Ticket], str]:
     """The run's tickets (file, or the deterministic demo set) and its single mission."""
     if cfg.tickets.path is not None:
@@ -101,6 +127,7 @@ class _Run:
         self.reflection: ReflectionEngine | None = None  # rank 0 only
         self.need_review: dict[str, list[str]] = {}  # rank 0 only: reason -> ticket keys
         self.epoch_stats: Counter = Counter()
+        self.timing = RunTiming()
         self.tickets: list[Ticket] = []
         self.mission = ""
 
@@ -139,8 +166,11 @@ class _Run:
         cfg, comm = self.cfg, self.comm
         status, error = "ok", None
         try:
+            t0 = time.monotonic()
             comm.guarded("setup", self._setup)
+            self.timing.setup_s = time.monotonic() - t0
             comm.agree(fingerprint(self.tickets), "ticket set")
+            t_loop = time.monotonic()
             P, W = cfg.runner.per_rank_rollout_batch_size, comm.world
             for epoch in range(cfg.runner.epochs):
                 order = epoch_order(len(self.tickets), cfg.runner.seed, epoch, cfg.runner.shuffle)
@@ -149,6 +179,7 @@ class _Run:
                     batch = [self.tickets[i] for i in order[start:end]]
                     self._global_batch(epoch, b, len(batches), batch)
                 self._main_only("epoch end", lambda: self._epoch_end(epoch))
+            self.timing.loop_s = time.monotonic() - t_loop
             self._main_only("run end", self._run_end)
             cmd = comm.broadcast(Command("done") if comm.is_main else None, "run end")
             if cmd.kind == "abort":
@@ -188,6 +219,11 @@ class _Run:
         gathered = comm.gather(ShardResult(comm.rank, (lo, hi), snapshot.step, cands, rollout_s),
                                f"rollout results of epoch {epoch} batch {b}")
         wait_s = time.monotonic() - clock["done"]  # this rank idle while the slowest rank finished
+        t = self.timing
+        t.global_batches += 1
+        t.tickets += len(batch)
+        t.wait_for_ranks_s += wait_s
+        t.rollout_s += max(r.rollout_s for r in gathered) if comm.is_main else rollout_s
         self._main_only(f"selection of epoch {epoch} batch {b}",
                         lambda: self._select_batch(epoch, b, num_batches, batch, snapshot, gathered, wait_s))
 
@@ -215,6 +251,7 @@ class _Run:
             raise RuntimeError(f"gathered shards do not cover batch {b} exactly once, in order")
         stats: Counter = Counter()
         cycles_before = refl.counters.cycles
+        reflect_s = 0.0
         for pos, t in enumerate(batch):
             cands = by_key[t.key]
             where = {"epoch": epoch, "batch": b, "position": pos}
@@ -240,8 +277,10 @@ class _Run:
             stats["fn"] += sel.verdict == "fail" and t.label == "pass"
             if sel.learnable:
                 stats["learnable"] += 1
+                t_add = time.monotonic()
                 refl.add({**sel.to_json(), "group_id": t.group_id, "summaries": list(t.summaries),
                           "epoch": epoch, "batch": b}, where)
+                reflect_s += time.monotonic() - t_add
         self.epoch_stats.update(stats)
         w.append("metrics", {"kind": "batch", "epoch": epoch, "batch": b, **self._metrics(stats),
                              "guidance/step": snapshot.step,
@@ -250,8 +289,11 @@ class _Run:
                              "reflection/pending": len(refl.pending),
                              "time/rollout_s": round(max(r.rollout_s for r in gathered), 3),
                              "time/wait_for_ranks_s": round(wait_s, 3),
-                             "time/select_reflect_s": round(time.monotonic() - t0, 3)})
+                             "time/select_reflect_s": round(time.monotonic() - t0, 3),
+                             "time/reflection_s": round(reflect_s, 3)})
         w.flush()
+        self.timing.reflection_s += reflect_s
+        self.timing.select_s += time.monotonic() - t0 - reflect_s
         if self.cfg.runner.progress:
             log.info("epoch %d batch %d/%d: %d tickets, acc %.2f, %d failures, %d learnable, guidance step %d -> %d",
                      epoch, b + 1, num_batches, len(batch), self._metrics(stats)["stage_b/acc"], stats["failures"],
@@ -274,7 +316,9 @@ class _Run:
         return out
 
     def _epoch_end(self, epoch: int) -> None:
+        t0 = time.monotonic()
         self.reflection.flush({"epoch": epoch, "batch": None, "position": None})
+        self.timing.reflection_s += time.monotonic() - t0
         c = self.reflection.counters
         self.writer.append("metrics", {"kind": "epoch", "epoch": epoch, **self._metrics(self.epoch_stats),
                                        "guidance/step": self.repo.step,
@@ -291,4 +335,8 @@ class _Run:
         return {"world_size": self.comm.world, "mission": self.mission,
                 "global_batches": len(self.summary.batches),
                 "guidance_step": self.repo.step if self.repo else None,
-                "reflection": asdict(c) if c else None}
+                "reflection": asdict(c) if c else None, "timing": self.timing.to_json(),
+                # every file rank 0 wrote under run_dir (this one included; pruned snapshots too), so a
+                # reader can check that nothing else wrote there (bench/bench_stage_b.py does)
+                "files": sorted({str(p.relative_to(self.writer.run_dir)) for p in self.writer.written}
+                                | {"run_summary.json"})}

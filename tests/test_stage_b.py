@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -342,3 +343,30 @@ def test_single_process_run_is_the_same_pipeline_with_world_size_one(tmp_path, m
     assert len(sels) + len(fails) == 20 and sels  # every ticket of both epochs accounted for
     assert summary.reflection_cycles >= 1 and summary.final_step >= 1
     assert json.loads((mission_dir / "run_summary.json").read_text())["status"] == "ok"
+
+
+def test_run_summary_records_rank_zero_timing_and_every_file_it_wrote(tmp_path, monkeypatch):
+    from stage_b.runner import run_all
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_stage_b_config(None, [
+        "model.path=unused", "sampler.backend=scripted", "sampler.scripted.verdict=pass", "guidance.snapshot_retention=1",
+        "tickets.demo.num_groups=10", "runner.per_rank_rollout_batch_size=4", "reflection.batch_size=3",
+        f"output.root={tmp_path}", "runner.epochs=2",
+    ])
+    summary = run_all(cfg)
+    mission_dir = Path(summary.run_dir)
+    written = json.loads((mission_dir / "run_summary.json").read_text())
+    t = written["timing"]
+    assert t["tickets"] == 20 and t["global_batches"] == 6  # 10 tickets in batches of 4, 4, 2; two epochs
+    # the scripted judge takes milliseconds: the record rounds to 1 ms, so compare loosely
+    assert t["loop_s"] > 0 and t["setup_s"] > 0 and t["rollout_s"] <= t["loop_s"] + 0.001
+    assert min(t["rollout_s"], t["reflection_s"], t["select_s"], t["wait_for_ranks_s"]) >= 0
+    assert t["tickets_per_s"] > 0 and t["tickets_per_s"] * t["loop_s"] == pytest.approx(20, rel=0.2)
+    metrics = [json.loads(x) for x in (mission_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("time/reflection_s" in m for m in metrics if m["kind"] == "batch")
+    # the manifest covers what is on disk (pruned guidance snapshots stay listed: retention 1, several steps)
+    on_disk = {str(p.relative_to(mission_dir)) for p in mission_dir.rglob("*") if p.is_file()}
+    assert summary.final_step >= 2 and on_disk <= set(written["files"])
+    assert "run_summary.json" in on_disk and len(set(written["files"]) - on_disk) >= 1
