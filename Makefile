@@ -30,8 +30,9 @@ tiny-detector: $(STAMP) data tiny-model
 
 # Two workers (pytest-xdist), one test file each at a time: module fixtures (a server per file) stay shared, and
 # most multi-process tests wait on peers half the time, so 2 cores run the suite in ~60 % of the serial time.
+# The file order is tests/conftest.py's (the detector build first, then the files with most tests), not xdist's.
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15
+	$(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test-gpu: $(STAMP)
 	$(PYTHON) -m pytest -q -m gpu -rs
