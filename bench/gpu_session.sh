@@ -41,13 +41,20 @@
 #                                  # A-only then step on GPUs 0-1, async AB then the NCCL sync bench on GPUs 2-3
 #   bash bench/gpu_session.sh G9   # make test-gpu (every GPU test, the two-GPU ones included)
 #
+# 4-GPU machine, the 2026-11-27 session (vLLM staged as for G: H1 carries .vllm-p1 + .whl, H8 installs vLLM):
+#   bash bench/gpu_session.sh H1   # no vLLM: models (0.5b, tiny) + data, then bench/bench_stage_b.py at 1, 2, 4 ranks
+#   bash bench/gpu_session.sh H8   # quality arms after the fence fix (G8's pair 1 on GPUs 0-1: A-only then step;
+#                                  # pair 2 on GPUs 2-3: async AB), then the one-GPU topology (configs/gpu/one_gpu.yaml,
+#                                  # 50 steps) on GPU 2: issue 19's one-GPU after-run
+#   bash bench/gpu_session.sh H9   # make test-gpu on GPUs 0-1 beside the NCCL sync bench 0.5b/1.5b/7b on GPUs 2-3
+#
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
 # Needs vLLM 0.26.0 importable (docs/gpu.md: staged under /tmp/site) and writes logs and results to
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|H1|H8|H9|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -527,12 +534,69 @@ PYEOF
     step test-gpu 380 python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider --durations=10
     grep -h "passed\|failed\|SKIPPED\|Error" "$LOG" | tail -15
     ;;
+  H1)  # ~5 min, 4 GPUs, no vLLM: models + data for H8/H9, then Stage-B throughput at 1, 2, 4 ranks (G2's bench)
+    BUDGET=${BUDGET:-400}
+    mkdir -p .make && touch .make/installed
+    step env 30 bash -c 'nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv; nproc; free -g | head -2;
+      python3 -c "import torch, transformers, fastapi, zmq, pycocotools; print(torch.__version__, transformers.__version__,
+      torch.cuda.device_count())"'
+    step models 150 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
+      python3 tools/make_tiny_model.py --preset 0.5b --init pool --out $MODELS/0.5b &&
+      python3 -m common.synthetic --out $DATA --n 96 --seed 0 &&
+      python3 -m common.synthetic --out artifacts/data/detect --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6"
+    [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/ 2>/dev/null
+    step stage-b 230 python3 bench/bench_stage_b.py --world-sizes 1,2,4 --config configs/stage_b/demo_cpu.yaml \
+      --out "$OUT/stage_b.json" model.path=$MODELS/0.5b model.dtype=bfloat16 tickets.demo.num_groups=64
+    ;;
+  H8)  # ~9.5 min, 4 GPUs, vLLM: the quality arms of G8 after the fence fix (75 learner-seconds an arm), then issue 19's
+       # one-GPU topology run (server and learner on GPU 2, 50 steps) once pair 2's arm is done
+    BUDGET=${BUDGET:-580}
+    mkdir -p .make && touch .make/installed
+    step env 30 bash -c 'nvidia-smi --query-gpu=index,memory.used --format=csv; python3 -c "import vllm, pycocotools; print(vllm.__version__)"'
+    [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/
+    [ -f artifacts/data/detect/train.jsonl ] || step data 120 python3 -m common.synthetic --out artifacts/data/detect \
+      --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
+    PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
+    Q="python3 bench/bench_quality.py --config configs/gpu/quality_split.yaml --budget-s ${QBUDGET:-75} --eval-every 100"
+    step quality-pair1 500 $Q --arms a_only,step --out runs/h8-pair1 --json "$OUT/quality-pair1.json" &
+    P1=$!
+    # shellcheck disable=SC2086  # $PAIR2 is a list of overrides
+    ( sleep 15; VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 step quality-pair2 260 $Q --arms async_ab --out runs/h8-pair2 \
+        --json "$OUT/quality-pair2.json" $PAIR2 'rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
+      rm -rf runs/h8-one-gpu
+      VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 KILL_AFTER=30 step launcher-one-gpu 240 python3 -m launcher \
+        --config configs/gpu/one_gpu.yaml training.max_steps=50 training.output_dir=runs/h8-one-gpu run_name=h8-one-gpu \
+        rollout_server.gpus=[2] learner.gpus=[2] rollout_server.port=8460 transport.base_port=5800 \
+        'rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8460"}]' --grace-s 20
+      evidence --json "$OUT/evidence-H8-one-gpu.json" runs/h8-one-gpu >>"$LOG" 2>&1 ) &
+    P2=$!
+    wait $P1 $P2
+    for k in 1 2; do cp "runs/h8-pair$k/quality.png" "$OUT/quality-pair$k.png" 2>/dev/null; done
+    cp runs/h8-one-gpu/summary.json "$OUT/summary-one-gpu.json" 2>/dev/null
+    bundle logs-H8.tar.gz runs/h8-pair1 runs/h8-pair2 runs/h8-one-gpu
+    ;;
+  H9)  # ~9.5 min, 4 GPUs, vLLM: make test-gpu on GPUs 0-1 (its tests name GPUs 0 and 1) beside the NCCL weight-sync
+       # bench on GPUs 2-3 (0.5b, 1.5b, 7b; random weights written to /dev/shm: a 14 GB write to /tmp is too slow)
+    BUDGET=${BUDGET:-580}
+    mkdir -p .make && touch .make/installed
+    [ -f artifacts/tiny-model/tandem_build.json ] || step tiny-model 60 python3 tools/make_tiny_model.py --out artifacts/tiny-model
+    CUDA_VISIBLE_DEVICES=0,1 step test-gpu 560 python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider --durations=10 &
+    P1=$!
+    ( sleep 10; VLLM_CACHE_ROOT=/tmp/vllm-cache-bench step bench-sync 540 $BENCH --presets 0.5b,1.5b,7b --weight-load fast \
+        --syncs 3 --reps 3 --server-gpus 2 --learner-gpu 3 --models /dev/shm/bench-models --log-dir "$OUT/bench-logs" \
+        --out "$OUT/bench-sync.json" ) &
+    P2=$!
+    wait $P1 $P2
+    grep -h "passed\|failed\|SKIPPED\|Error\|bench-sync" "$LOG" | tail -15
+    bundle logs-H9.tar.gz "$OUT/bench-logs"
+    rm -rf "$OUT/bench-logs"
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|H1|H8|H9|E" >&2
     exit 2
     ;;
 esac
