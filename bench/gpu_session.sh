@@ -47,6 +47,8 @@
 #                                  # pair 2 on GPUs 2-3: async AB), then the one-GPU topology (configs/gpu/one_gpu.yaml,
 #                                  # 50 steps) on GPU 2: issue 19's one-GPU after-run
 #   bash bench/gpu_session.sh H9   # make test-gpu on GPUs 0-1 beside the NCCL sync bench 0.5b/1.5b/7b on GPUs 2-3
+#   bash bench/gpu_session.sh H10  # b_ratio sweep of the async arm (0.1, 0.3 on GPUs 0-1; 0.2, 0.4 on GPUs 2-3), 75 s each
+#   bash bench/gpu_session.sh H11  # sync_every x version_window, two points side by side: (2, 1) on GPUs 0-1, (4, 4) on 2-3
 #
 # Anywhere (no GPU): bash bench/gpu_session.sh E RUN_DIR...   # the run evidence of finished runs
 #
@@ -54,7 +56,7 @@
 # $OUT (default /tmp/gpu-out); X parts bundle logs into one logs-<part>.tar.gz (a call brings back
 # at most 8 files).
 set -u
-PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|H1|H8|H9|E [RUN_DIR...]}
+PART=${1:?usage: bench/gpu_session.sh A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|H1|H8|H9|H10|H11|E [RUN_DIR...]}
 shift
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -591,12 +593,49 @@ PYEOF
     bundle logs-H9.tar.gz "$OUT/bench-logs"
     rm -rf "$OUT/bench-logs"
     ;;
+  H10|H11)  # 4 GPUs, vLLM: async arms of bench/bench_quality.py (configs/gpu/quality_split.yaml: b_ratio 0.5, sync every 8,
+            # version window 2) with one knob changed, two 1 + 1 pairs side by side. H10 (~5.5 min): b_ratio 0.1 then 0.3 on
+            # GPUs 0-1, 0.2 then 0.4 on GPUs 2-3, 75 learner-seconds each. H11 (~3.5 min): (sync_every_steps, version_window)
+            # = (2, 1) on GPUs 0-1 and (4, 4) on GPUs 2-3, QBUDGET (60) learner-seconds each.
+    BUDGET=${BUDGET:-580}
+    mkdir -p .make && touch .make/installed
+    [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/
+    [ -f artifacts/data/detect/train.jsonl ] || step data 120 python3 -m common.synthetic --out artifacts/data/detect \
+      --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
+    PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
+    SRV2='rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
+    A="stage2_ab.channel_b.async"
+    if [ "$PART" = H10 ]; then
+      ARM1=("stage2_ab.schedule.b_ratio=0.1" "stage2_ab.schedule.b_ratio=0.3")
+      ARM2=("stage2_ab.schedule.b_ratio=0.2" "stage2_ab.schedule.b_ratio=0.4")
+      QB=${QBUDGET:-75}; LIMIT=275
+    else
+      ARM1=("$A.sync_every_steps=2 $A.version_window=1"); ARM2=("$A.sync_every_steps=4 $A.version_window=4")
+      QB=${QBUDGET:-60}; LIMIT=230
+    fi
+    Q="python3 bench/bench_quality.py --config configs/gpu/quality_split.yaml --budget-s $QB --eval-every 100 --arms async_ab"
+    sweep_pair() {  # sweep_PAIR TAG OVERRIDES...: one arm per override set, one after the other
+      local tag=$1; shift
+      for o in "$@"; do
+        local name; name=sw-$(echo "$o" | sed 's/stage2_ab\.[a-z_.]*\.\([a-z_]*\)=/\1/g; s/ /-/g')
+        # shellcheck disable=SC2086  # $o and PAIR2 are lists of overrides
+        step "$name" "$LIMIT" $Q --out "runs/$name" --json "$OUT/$name.json" $o ${tag:+$PAIR2 "$SRV2"}
+        cp "runs/$name/async_ab/summary.json" "$OUT/summary-$name.json" 2>/dev/null
+      done
+    }
+    sweep_pair "" "${ARM1[@]}" &
+    P1=$!
+    ( sleep 15; VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 sweep_pair 2 "${ARM2[@]}" ) &
+    P2=$!
+    wait $P1 $P2
+    bundle "logs-$PART.tar.gz" runs/sw-*/async_ab/metrics.jsonl runs/sw-*/async_ab/logs/launcher.log
+    ;;
   E)  # no GPU: evidence of finished runs, e.g. bash bench/gpu_session.sh E runs/gpu-1p1-overlap runs/gpu-1p1
     evidence --json "$OUT/evidence-E.json" "$@"
     run_logs "$@"
     ;;
   *)
-    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|H1|H8|H9|E" >&2
+    echo "unknown part $PART: A|B|C|X1|X2|X3|Y1|Y2|Y3|Y4|Y5|Y6|Y7|Z1|Z2|F1|G1|G2|G8|G9|H1|H8|H9|H10|H11|E" >&2
     exit 2
     ;;
 esac
