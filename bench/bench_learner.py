@@ -18,8 +18,10 @@ the same model) a sync runs every ``--sync-every`` steps and its phases are repo
 
 Figures are per optimizer step (GA packs), medians over the timed steps, from the learner's own
 metrics records (``time/step``, ``time/forward_backward``, ``time/wait_for_packs``,
-``time/wait_for_a_window``: A steps take windows the Channel-A prefetch thread built); ``best`` is
-1 / the fastest step, the figure least disturbed by other processes on a shared box.
+``time/wait_for_a_window``: A steps take windows the Channel-A prefetch thread built;
+``time/prepare_inputs`` and ``time/other``, the step time no part covers); ``best`` is 1 / the fastest
+step, the figure least disturbed by other processes on a shared box. On a GPU the JSON also holds
+``forward_backward_gpu_s`` (``time/forward_backward_gpu``, which busy then counts: docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -109,10 +111,14 @@ def phase(learner, name: str, b_ratio: Fraction, steps: int, warmup: int, pool, 
         "wait_for_packs_s": med("time/wait_for_packs"),
         "wait_for_packs_max_s": max(r["time/wait_for_packs"] for r in timed),
         "wait_for_a_window_s": med("time/wait_for_a_window"),
+        "prepare_inputs_s": med("time/prepare_inputs"),
+        "other_s": med("time/other"),
         "busy_fraction": med("learner/busy_fraction"),
         "tokens_per_s": med("throughput/tokens_per_s"),
         "tokens_per_step": med("packing/tokens"),
     }
+    if all("time/forward_backward_gpu" in r for r in timed):  # a GPU learner (absent on CPU)
+        out["forward_backward_gpu_s"] = med("time/forward_backward_gpu")
     syncs = [r for r in timed if "time/sync_wire" in r]
     if syncs:
         out.update({f"sync_{k}_s": statistics.median(r[f"time/sync_{k}"] for r in syncs)
@@ -179,12 +185,13 @@ def main() -> int:
            "packing_length": args.packing_length, "model": "tiny Qwen2.5-VL (0.8M params, fp32)"}
     print(f"learner bench — {env}")
     print(f"{'phase':28} {'steps':>5} {'B':>3} {'skip':>4} {'steps/s':>8} {'best':>6} {'fwd+bwd s':>9} {'wait s':>8} "
-          f"{'wait max':>8} {'A wait':>7} {'busy':>5} {'tok/s':>7}")
+          f"{'wait max':>8} {'A wait':>7} {'inputs':>7} {'other':>7} {'busy':>5} {'tok/s':>7}")
     for r in results:
         print(f"{r['phase']:28} {r['steps']:5d} {r['b_steps']:3d} {r['skipped_b']:4d} {r['steps_per_s']:8.2f} "
               f"{r['steps_per_s_best']:6.2f} "
               f"{r['forward_backward_s']:9.3f} {r['wait_for_packs_s']:8.4f} {r['wait_for_packs_max_s']:8.4f} "
-              f"{r['wait_for_a_window_s']:7.4f} {r['busy_fraction']:5.2f} {r['tokens_per_s']:7.0f}")
+              f"{r['wait_for_a_window_s']:7.4f} {r['prepare_inputs_s']:7.4f} {r['other_s']:7.4f} "
+              f"{r['busy_fraction']:5.2f} {r['tokens_per_s']:7.0f}")
         if "sync_total_s" in r:
             print(f"{'':28} sync: total {r['sync_total_s']:.3f}s fence {r['sync_fence_s']:.3f}s "
                   f"wire {r['sync_wire_s']:.3f}s commit {r['sync_commit_s']:.3f}s")

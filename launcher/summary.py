@@ -105,11 +105,13 @@ def _mean(xs: list[float]) -> float:
 
 
 def _busy(records: list[dict[str, Any]]) -> float:
-    """Σ forward/backward (mean over ranks) / Σ step time over the run; the per-step mean of
-    ``learner/busy_fraction`` where a record lacks the times."""
-    if all("time/forward_backward_mean" in r and "time/step" in r for r in records):
+    """Σ busy time / Σ step time over the run, a step's busy time being ``learner/busy_fraction`` × ``time/step``:
+    forward/backward (mean over ranks) as the record counts it, so a GPU learner's device time counts here as
+    in the record (``learner.metrics.busy_seconds``). The per-step mean of ``learner/busy_fraction`` where a
+    record lacks ``time/step``."""
+    if all("learner/busy_fraction" in r and "time/step" in r for r in records):
         total = sum(r["time/step"] for r in records)
-        return sum(r["time/forward_backward_mean"] for r in records) / total if total > 0 else float("nan")
+        return sum(r["learner/busy_fraction"] * r["time/step"] for r in records) / total if total > 0 else float("nan")
     return _mean([r.get("learner/busy_fraction", 0.0) for r in records])
 
 
@@ -144,6 +146,8 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "wait_for_packs_s": sum(r.get("time/wait_for_packs", 0.0) for r in records),
         "wait_for_a_window_s": sum(r.get("time/wait_for_a_window", 0.0) for r in records),
         "optimizer_step_s": sum(r.get("time/optimizer_step", 0.0) for r in records),
+        "prepare_inputs_s": sum(r.get("time/prepare_inputs", 0.0) for r in records),
+        "other_s": sum(r.get("time/other", 0.0) for r in records),
         **rollout_totals(b_recs),
         "loss_first": records[0].get("loss/total"),
         "loss_last": last.get("loss/total"),
@@ -257,7 +261,8 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"{s.get('sync_stall_n', 0)} after the first; {_pct(s.get('sync_stall_share'))} of training time)",
         f"mean pack fill         B {f(s['mean_fill_b'])}  A {f(s['mean_fill_a'])}",
         f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s, "
-        f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s; optimizer steps {s.get('optimizer_step_s', 0.0):.2f} s)",
+        f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s; inputs {s.get('prepare_inputs_s', 0.0):.2f} s, "
+        f"other {s.get('other_s', 0.0):.2f} s; optimizer steps {s.get('optimizer_step_s', 0.0):.2f} s)",
         _rollout_line(s, f),
         f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
         _learner_line(s, f),

@@ -8,7 +8,8 @@ TensorBoard scalars and a tqdm bar. Keys are ``<area>/<name>``; stalls are ``tim
 Aggregation rule: losses are already normalised by step-global counts, so they are *summed* over
 ranks; counters (drops, received, ...) are summed for the ``*_total`` keys and also reported per
 rank under ``queue/rank<r>/*`` (the conservation identity is checked per rank); times are the
-max over ranks (the slowest rank sets the step time) with ``*_mean`` next to them. Rollout quality
+max over ranks (the slowest rank sets the step time) with ``*_mean`` next to them (:func:`time_keys`: what
+counts as busy on a GPU, and ``time/other``, the step time no part accounts for). Rollout quality
 (``rollout/*``) exists only on steps that trained B packs: counts summed over ranks, P/R/F1 from them.
 Evaluation records (``"record": "eval"``) share the file, appended by :meth:`MetricsWriter.write_eval`.
 
@@ -38,7 +39,7 @@ ROLLOUT_COUNTS = ("n_pred", "n_gt", "n_matched", "parse_truncated", "invalid_rol
 RANK_FIELDS = (
     "kind_b", "micro_steps", "forwards", "backwards", "max_forwards_per_micro", "packs", "segments", "tokens",
     "time_forward_backward", "time_wait_for_packs", "time_wait_for_a_window", "time_step", "time_sync_stall",
-    "time_optimizer_step",
+    "time_optimizer_step", "time_prepare_inputs", "time_forward_backward_gpu",
     "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou", "loss_coord_ce",
     "ver_lag_sum", "ver_lag_max", "queue_depth", "fill_sum", "ver_current", "sync_client_calls",
     "a_dropped_total", "a_window_carry", "mem_peak_rss", "mem_peak_allocated", "mem_peak_reserved",
@@ -106,6 +107,53 @@ def memory_keys(per_rank: list[RankStats]) -> dict[str, Any]:
     return out
 
 
+#: The per-rank times of a step's parts besides forward/backward (:func:`busy_seconds`); ``time/other`` is the rest.
+TIMED_PARTS = ("time_wait_for_packs", "time_wait_for_a_window", "time_sync_stall", "time_optimizer_step",
+               "time_prepare_inputs")
+
+
+def busy_seconds(stats: RankStats) -> float:
+    """A rank's forward/backward time of the step: the host's wall time, or the device's when longer.
+
+    On a GPU the wall time covers launching the kernels (the loss read waits for the forward; the backward
+    is only launched) and the kernels finish at a later host wait, inside another part or none; the CUDA
+    events of ``time_forward_backward_gpu`` time the spans where they run. On CPU that field is 0.
+    """
+    return max(stats["time_forward_backward"], stats["time_forward_backward_gpu"])
+
+
+def other_seconds(stats: RankStats) -> float:
+    """A rank's step time that no timed part covers: ``time_step`` − :func:`busy_seconds` − :data:`TIMED_PARTS`.
+
+    Clamped at 0: on a GPU the parts can overlap (the optimizer step's gradient-norm read waits for the
+    last backward's kernels, which the device time also counts), so this is a lower bound there.
+    """
+    return max(0.0, stats["time_step"] - busy_seconds(stats) - sum(stats[k] for k in TIMED_PARTS))
+
+
+def time_keys(per_rank: list[RankStats]) -> dict[str, Any]:
+    """``time/*`` and ``learner/busy_fraction`` of a step.
+
+    Times are the max over ranks (the slowest sets the step), ``*_mean`` the mean; ``time/other`` is the max of
+    each rank's :func:`other_seconds`. ``time/forward_backward_gpu`` (and ``_mean``) only on a GPU learner:
+    absent on CPU, not 0 (as ``mem/peak_allocated_gb``). Busy is :func:`busy_seconds`, the mean over ranks,
+    ÷ ``time/step``, at most 1: on CPU the wall time as before, on a GPU the longer of wall and device time.
+    """
+    n = len(per_rank)
+    step_s = max(r["time_step"] for r in per_rank) or 1e-9
+    fb = [r["time_forward_backward"] for r in per_rank]
+    fb_gpu = [r["time_forward_backward_gpu"] for r in per_rank]
+    out: dict[str, Any] = {"time/step": step_s, "time/forward_backward": max(fb),
+                           "time/forward_backward_mean": sum(fb) / n}
+    if any(fb_gpu):
+        out.update({"time/forward_backward_gpu": max(fb_gpu), "time/forward_backward_gpu_mean": sum(fb_gpu) / n})
+    for key in TIMED_PARTS:
+        out[f"time/{key.removeprefix('time_')}"] = max(r[key] for r in per_rank)
+    out["time/other"] = max(other_seconds(r) for r in per_rank)
+    out["learner/busy_fraction"] = min(1.0, (sum(busy_seconds(r) for r in per_rank) / n) / step_s)
+    return out
+
+
 def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], packing_length: int) -> dict[str, Any]:
     """The JSONL record of optimizer step ``step`` from every rank's stats and rank 0's facts.
 
@@ -119,7 +167,6 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         return sum(r[key] for r in per_rank)
 
     step_s = max(r["time_step"] for r in per_rank) or 1e-9
-    fb = [r["time_forward_backward"] for r in per_rank]
     packs, tokens, lags = total("packs"), total("tokens"), [v for r in per_rank for v in r.trained_vers]
     kind_b = any(r["kind_b"] for r in per_rank)  # every rank trains the decided kind
     rec: dict[str, Any] = {
@@ -143,14 +190,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "loss/bbox_smoothl1": total("loss_bbox_smoothl1"),
         "loss/bbox_ciou": total("loss_bbox_ciou"),
         "loss/coord_ce": total("loss_coord_ce"),
-        "time/step": step_s,
-        "time/forward_backward": max(fb),
-        "time/forward_backward_mean": sum(fb) / n,
-        "time/wait_for_packs": max(r["time_wait_for_packs"] for r in per_rank),
-        "time/wait_for_a_window": max(r["time_wait_for_a_window"] for r in per_rank),
-        "time/sync_stall": max(r["time_sync_stall"] for r in per_rank),
-        "time/optimizer_step": max(r["time_optimizer_step"] for r in per_rank),
-        "learner/busy_fraction": min(1.0, (sum(fb) / n) / step_s),
+        **time_keys(per_rank),
         "learner/micro_steps": [int(r["micro_steps"]) for r in per_rank],
         "learner/forwards": [int(r["forwards"]) for r in per_rank],
         "learner/backwards": [int(r["backwards"]) for r in per_rank],

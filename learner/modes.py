@@ -70,10 +70,16 @@ class _BStream:
 
 
 def _train_packs(learner: Any, packs: list[Any], stats: RankStats, weight_per_segment: float) -> None:
-    """One forward/backward per pack, normalised by its own counts and weighted by its segment share."""
+    """One forward/backward per pack, normalised by its own counts and weighted by its segment share.
+
+    Each pack's inputs are built just before its forward (the step's packs arrive over time), so
+    ``time/prepare_inputs`` sums the per-pack builds here.
+    """
     for pack in packs:
+        t0 = time.monotonic()
         inp = learner.inputs(pack.tensors())
         norm = Normaliser(ce_tokens=inp.rows.n_ce, boxes=inp.rows.n_boxes)
+        stats["time_prepare_inputs"] += time.monotonic() - t0
         seen = learner.forward_backward(inp, norm, stats, channel="B", sync_grads=True,
                                         loss_scale=len(pack.segments) * weight_per_segment)
         lag = learner.ver - pack.ver
@@ -166,8 +172,7 @@ def _micro_b(learner: Any, stream: _BStream, stats: RankStats) -> None:
 def _a_step(learner: Any, stats: RankStats) -> None:
     window = learner.take_a_window(stats)
     packs = window.packs
-    inputs = [learner.inputs(a) for a in window.arrays]
-    norm = learner.global_normaliser(inputs)
+    inputs, norm = learner.step_inputs(window.arrays, stats)
     for i, (inp, pack) in enumerate(zip(inputs, packs)):
         seen = learner.forward_backward(inp, norm, stats, channel="A", sync_grads=True)
         learner.trace(micro=i, kind="A", ver_current=learner.ver, pack_ver=pack.ver, forwards=seen["forward"],

@@ -5,9 +5,12 @@ one rank, and the pieces of one optimizer step. The loops that put the pieces in
 the async loop in ``learner/train.py`` (its docstring has the wait diagram of a step) and the
 one-process ``step``/``micro`` loops in ``learner/modes.py``. The pieces, in the async mode's order::
 
-    maybe_sync ─► (B: the decision's packs | A: take_a_window) ─► inputs ─► global_normaliser
+    maybe_sync ─► (B: the decision's packs | A: take_a_window) ─► step_inputs (inputs + global_normaliser)
       ─► forward_backward × GA (gradients all-reduced on the last) ─► finish_step
            (optimizer update, counters, the gathered metrics record, final push, checkpoint when due)
+
+Each piece times itself into the step's :class:`RankStats` (``time/*`` in docs/metrics.md); what no piece
+times (bookkeeping between them, the loss check) is the record's ``time/other``.
 
 The pieces that hold a collective (maybe_sync, global_normaliser, finish_step, settle_sync, save) must
 be called on every rank in the same order: a rank that skipped one would leave its peers waiting
@@ -35,6 +38,7 @@ from common.config import ConfigError
 from common.schedule import RealizedRatio, exact_ratio
 from learner import checkpoint, parallel
 from learner.data import ChannelAData
+from learner.device_time import DeviceSpans
 from learner.distributed import Dist
 from learner.evaluation import PeriodicEval
 from learner.loss import LossWeights, Normaliser, pack_loss
@@ -74,6 +78,7 @@ class Learner:
         self.a_windows: ChannelAPrefetcher | None = None
         self._sockets: list[Any] = []
         self._trace = None
+        self.fb_spans = DeviceSpans(dist.device)  # forward/backward on the GPU: time/forward_backward_gpu
         self.sync = WeightSync(cfg, dist, progress=lambda: self.step)
         self._carry_facts: dict[str, Any] = {}  # a push outcome adopted at a checkpoint: reported with the next step
         ab = cfg.stage2_ab
@@ -231,6 +236,16 @@ class Learner:
     def inputs(self, arrays: dict) -> PackInputs:
         return pack_inputs(arrays, self.cfg.model.attn_implementation, self.dtype, self.dist.device)
 
+    def step_inputs(self, arrays: list[dict], stats: RankStats) -> tuple[list[PackInputs], Normaliser]:
+        """The step's pack inputs (tensors, host-to-device copies) and their :meth:`global_normaliser`, timed as
+        ``time/prepare_inputs`` (host work a GPU record would otherwise leave unexplained). It holds the
+        normaliser's all_reduce, so a rank that gets here first also waits here for the slowest rank."""
+        t0 = time.monotonic()
+        inputs = [self.inputs(a) for a in arrays]
+        norm = self.global_normaliser(inputs)
+        stats["time_prepare_inputs"] += time.monotonic() - t0
+        return inputs, norm
+
     def global_normaliser(self, inputs: list[PackInputs]) -> Normaliser:
         """CE tokens and boxes over every rank's packs of this step (one all_reduce)."""
         ce, boxes = self.dist.all_reduce(
@@ -247,16 +262,20 @@ class Learner:
         """One packed forward and one backward of a ``channel`` ("A" or "B") pack; gradients all-reduce only if
         ``sync_grads``.
 
+        ``time/forward_backward`` is host wall time; on a GPU the backward is only launched here, so the span is also
+        timed on the device (``time/forward_backward_gpu``: ``self.fb_spans``, read in :meth:`finish_step`).
         Returns the forwards and backwards the hooks actually saw (1 and 1; a test checks it).
         """
         before = dict(self.calls)
         t0 = time.monotonic()
+        self.fb_spans.start()
         with parallel.grad_sync(self.model, sync_grads):
             logits = forward_rows(self.model, inp)
             if logits.requires_grad:
                 logits.register_hook(self._count_backward)
             terms = pack_loss(logits, inp.rows, self.coord_ids, norm, self.loss_weights[channel])
             (terms.backward * loss_scale).backward()
+        self.fb_spans.stop()
         stats["time_forward_backward"] += time.monotonic() - t0
         seen = {k: self.calls[k] - before[k] for k in self.calls}
         stats["forwards"] += seen["forward"]
@@ -286,6 +305,10 @@ class Learner:
         norm = clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.training.max_grad_norm,
                              loss_finite=loss_ok)
         stats["time_optimizer_step"] = time.monotonic() - t0  # on the host under FSDP2 cpu_offload
+        # Costs nothing here: clip_and_step read the gradient norm (queued behind every backward) to the host, so
+        # the host already waited past the last stop event. Without gradients, or a norm taken on the host (FSDP2
+        # cpu_offload), seconds() waits for at most the backward's rest, which the metrics all_gather would anyway.
+        stats["time_forward_backward_gpu"] = self.fb_spans.seconds()
         skipped = not (loss_ok and math.isfinite(norm))  # the same on every rank (see _loss_finite, clip_and_step)
         facts["train/grad_norm"] = norm if math.isfinite(norm) else None
         facts["train/nonfinite_skipped"] = int(skipped)

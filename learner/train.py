@@ -14,17 +14,27 @@ One optimizer step, every rank in lockstep; what each wait is unblocked by::
     │   (unblocked by every rank reaching the decision; waits for packs only if pack_wait_s > 0)   │
     │ GA packs: B = the reserved ones; A = the window learner/prefetch.py built during an earlier │
     │   step (exactly GA; waits only if that thread is behind: time/wait_for_a_window)            │
-    │ normaliser: all_reduce(SUM) of CE tokens and boxes of every rank's GA packs                 │
+    │ inputs (host-to-device copies) + normaliser: all_reduce(SUM) of CE tokens and boxes of      │
+    │   every rank's GA packs (time/prepare_inputs)                                               │
     │ GA micro-steps, ONE packed forward/backward each; gradients reduced on the last only        │
     │   (DDP no_sync / FSDP2 requires_gradient_sync: learner/parallel.py)                         │
     │   (the last backward's gradient all-reduce waits for every rank's backward)                 │
+    │   (time/forward_backward: host wall time; on a GPU the kernels finish later, so each        │
+    │   span is also timed by CUDA events: time/forward_backward_gpu)                             │
     │ clip, AdamW step (GPU overlap: after the snapshot copy's event), LR schedule; global_step    │
+    │   (time/optimizer_step; the gradient norm's read waits for the GPU, and after it the        │
+    │   forward/backward events are read)                                                         │
     │ all_gather of this step's per-rank stats ─► rank 0 writes metrics.jsonl                     │
     │ checkpoint due? (overlap: settle the push in flight first; every rank writes its part)      │
     └─────────────────────────────────────────────────────────────────────────────────────────────┘
     Meanwhile, on every rank, the ready queue's receiver thread drains ZMQ and publishes credits, and
     the Channel-A prefetch thread builds the next A window (at most one ahead; learner/prefetch.py).
     Nothing in the loop waits on an actor: an empty queue makes an A step.
+
+The step's time is ``time/step``. Its parts are timed on their own: the sync (``time/sync_stall``), the
+decision (``time/wait_for_packs``) and the ``time/*`` named above; what none of them covers (bookkeeping
+between the parts, the loss check's all_reduce) is ``time/other`` (docs/metrics.md, Time and utilisation).
+``time/step`` ends before the stats' all_gather: that and a checkpoint fall in no step's time.
 
 On B steps the Channel-A sampler does not advance (advancing it would silently discard A data):
 the prefetched window waits, and checkpoints store the sampler state of the windows taken.
@@ -68,8 +78,7 @@ def async_step(learner: Learner) -> None:
     if len(arrays) != learner.ga:  # DDP safety: every rank runs exactly GA micro-steps
         raise RuntimeError(f"rank {learner.dist.rank}: {len(arrays)} packs for a window of GA={learner.ga} "
                            f"at step {learner.step}")
-    inputs = [learner.inputs(a) for a in arrays]
-    norm = learner.global_normaliser(inputs)
+    inputs, norm = learner.step_inputs(arrays, stats)
     for i, (inp, item, meta) in enumerate(zip(inputs, items, metas)):
         seen = learner.forward_backward(inp, norm, stats, channel=decision.kind, sync_grads=(i == learner.ga - 1))
         pack_ver = item.ver if item is not None else learner.ver

@@ -1,5 +1,5 @@
 """Rank 0's metric sinks: one JSONL record per optimizer step (evaluation records interleaved), TensorBoard
-scalars when asked, and which keys a step record holds."""
+scalars when asked, and which keys a step record holds (the time keys: busy and ``time/other`` on CPU and GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from learner.metrics import MetricsWriter, RankStats, step_record
+from learner.metrics import RANK_FIELDS, MetricsWriter, RankStats, step_record, unpack
 
 
 def records(n: int) -> list[dict]:
@@ -75,6 +75,54 @@ def test_a_b_step_whose_packs_held_no_boxes_keeps_its_counts_but_claims_no_f1():
     rec = step_record(2, [_rank(True, 1, invalid_rollout=3)], {}, 1024)
     assert (rec["rollout/n_pred"], rec["rollout/n_gt"], rec["rollout/invalid_rollout"]) == (0, 0, 3)
     assert "rollout/f1" not in rec and "rollout/precision" not in rec
+
+
+def _timed(step: float, fb: float, fb_gpu: float = 0.0, **parts: float) -> RankStats:
+    """A rank's stats with a step time, its forward/backward (wall, device) and other parts (``time_<name>``)."""
+    r = _rank(False, 2)
+    r["time_step"], r["time_forward_backward"], r["time_forward_backward_gpu"] = step, fb, fb_gpu
+    for name, value in parts.items():
+        r[f"time_{name}"] = value
+    return r
+
+
+PARTS = {"wait_for_packs": 0.01, "wait_for_a_window": 0.02, "sync_stall": 0.03, "optimizer_step": 0.04,
+         "prepare_inputs": 0.05}  # 0.15 s in all
+
+
+def test_a_cpu_record_counts_wall_forward_backward_as_busy_and_names_the_rest_other():
+    rec = step_record(0, [_timed(1.0, 0.6, **PARTS), _timed(0.9, 0.4, **PARTS)], {}, 1024)
+    assert "time/forward_backward_gpu" not in rec and "time/forward_backward_gpu_mean" not in rec  # absent, not 0
+    assert rec["time/prepare_inputs"] == 0.05
+    assert rec["learner/busy_fraction"] == pytest.approx(0.5)  # (0.6 + 0.4) / 2 over the slowest step, 1.0
+    # per rank: 1.0 - 0.6 - 0.15 = 0.25 and 0.9 - 0.4 - 0.15 = 0.35; the max, not the record's 1.0 - 0.6 - 0.15
+    assert rec["time/other"] == pytest.approx(0.35)
+
+
+def test_a_gpu_record_counts_the_device_forward_backward_where_it_is_longer_than_the_wall_time():
+    # rank 0: launching took 0.05 s of wall time, the GPU ran the spans for 0.7 s; rank 1 is launch-bound (wall
+    # longer than device): each rank counts the longer of the two
+    rec = step_record(0, [_timed(1.0, 0.05, 0.7, **PARTS), _timed(1.0, 0.3, 0.2, **PARTS)], {}, 1024)
+    assert (rec["time/forward_backward_gpu"], rec["time/forward_backward_gpu_mean"]) == (0.7, pytest.approx(0.45))
+    assert rec["time/forward_backward"] == 0.3  # the wall time is reported as measured
+    assert rec["learner/busy_fraction"] == pytest.approx((0.7 + 0.3) / 2)  # not (0.05 + 0.3) / 2
+    assert rec["time/other"] == pytest.approx(1.0 - 0.3 - 0.15)  # rank 1; rank 0's 1.0 - 0.7 - 0.15 is less
+
+
+def test_time_other_is_clamped_at_zero_where_the_gpu_parts_overlap_and_busy_at_one():
+    # the optimizer step's norm read waited for the last backward, which the device time also counts
+    rec = step_record(0, [_timed(1.0, 0.1, 1.2, optimizer_step=0.3)], {}, 1024)
+    assert rec["time/other"] == 0.0 and rec["learner/busy_fraction"] == 1.0
+
+
+def test_a_rank_vector_keeps_its_length_and_carries_the_new_times():
+    r = _timed(1.0, 0.2, 0.5, prepare_inputs=0.05)
+    r.trained_vers = [3]
+    for ga in (1, 4):
+        vector = r.vector(ga)
+        assert len(vector) == len(RANK_FIELDS) + ga  # every rank sends the same length, whatever it trained
+        back = unpack(vector, ga)
+        assert (back["time_forward_backward_gpu"], back["time_prepare_inputs"], back.trained_vers) == (0.5, 0.05, [3])
 
 
 class _OverlapDetectingFile:

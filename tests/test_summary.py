@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from launcher.summary import K, format_summary, print_summary
 
 STEPS = 4
@@ -78,6 +80,25 @@ def test_sync_stall_per_sync_and_its_share_of_training_time_blocking_and_overlap
     s = summarize(recs)
     assert (s["sync_mode"], s["sync_stall_median_s"], s["sync_stall_n"]) == ("overlap", 0.015, 2)
     assert "sync stall per sync    0.015 s  (overlap, median of 2 after the first;" in format_summary(s)
+
+
+def test_busy_is_the_records_busy_time_over_the_step_time_so_a_gpu_learners_device_time_counts():
+    from launcher.summary import summarize
+    from learner.metrics import RankStats, step_record
+
+    def gpu_record(step: int, step_s: float, fb_wall: float, fb_gpu: float) -> dict:
+        r = RankStats()
+        r["time_step"], r["time_forward_backward"], r["time_forward_backward_gpu"] = step_s, fb_wall, fb_gpu
+        r["time_prepare_inputs"], r["time_optimizer_step"] = 0.1, 0.2
+        return step_record(step, [r], {}, 1024)
+
+    # launched in 0.05 s of wall time, run for 0.6 s on the GPU; a 3 s sync step is weighed by its length
+    recs = [gpu_record(0, 1.0, 0.05, 0.6), gpu_record(1, 3.0, 0.05, 0.6)]
+    s = summarize(recs)
+    assert s["busy_fraction"] == pytest.approx((0.6 + 0.6) / 4.0)  # not Σ forward_backward_mean / Σ step = 0.025
+    assert (s["prepare_inputs_s"], s["other_s"]) == pytest.approx((0.2, (1.0 - 0.9) + (3.0 - 0.9)))
+    assert "learner busy fraction  0.300  (" in format_summary(s)
+    assert "inputs 0.20 s, other 2.20 s; optimizer steps 0.40 s)" in format_summary(s)
 
 
 def _write(run: Path, records: list[dict]) -> Path:
