@@ -6,8 +6,9 @@
 Every arm is the real topology (``python -m launcher``: rollout server, actors where the mode has them,
 the torchrun learner) started from the config's ``model.path`` (the Stage-1 warm start) with the same
 data, seed, batch and learning rate, and stopped by the same learner-time budget
-(``training.max_train_seconds``: the sum of ``time/step``, so start-up and evaluation threads are not
-charged, sync stalls and waits for rollouts are). The learner evaluates ``data.val_jsonl`` at step 0,
+(``training.max_train_seconds``: the sum of ``time/step`` after the process's first step, so start-up (the
+first step's start-up sync and CUDA initialisation) and evaluation threads are not charged, sync stalls and
+waits for rollouts are). The learner evaluates ``data.val_jsonl`` at step 0,
 every ``--eval-every`` steps and at the end (learner/evaluation.py). Arms:
 
 - ``a_only``:   ``b_ratio 0`` — supervised steps only; no actors are started.
@@ -69,8 +70,10 @@ def run_arm(name: str, args: argparse.Namespace, overrides: list[str]) -> dict[s
 
 
 def learner_seconds_at(steps: list[dict[str, Any]], step: int) -> float:
-    """Learner seconds (sum of time/step) spent before optimizer step ``step``."""
-    return sum(r.get("time/step", 0.0) for r in steps if r.get("step", 0) < step)
+    """Learner seconds spent before optimizer step ``step``: the sum of time/step after the run's first step,
+    as ``training.max_train_seconds`` counts them (the first step is start-up: :func:`arm_figures` reports it)."""
+    first = min((r.get("step", 0) for r in steps), default=0)
+    return sum(r.get("time/step", 0.0) for r in steps if first < r.get("step", 0) < step)
 
 
 def arm_figures(name: str, steps: list[dict[str, Any]], evals: list[dict[str, Any]], *, wall_s: float) -> dict[str, Any]:
@@ -80,7 +83,9 @@ def arm_figures(name: str, steps: list[dict[str, Any]], evals: list[dict[str, An
     scored = [c for c in curve if c["f1"] is not None]
     return {
         "arm": name, "steps": len(steps), "b_steps": sum(1 for r in steps if r.get("stage2_ab/async/step_kind_b")),
-        "learner_s": sum(r.get("time/step", 0.0) for r in steps), "wall_s": wall_s,
+        "learner_s": learner_seconds_at(steps, max((r.get("step", 0) for r in steps), default=0) + 1),
+        "startup_step_s": min(steps, key=lambda r: r.get("step", 0)).get("time/step") if steps else None,
+        "wall_s": wall_s,
         "wait_for_rollouts_s": sum(r.get("time/wait_for_packs", 0.0) for r in steps),
         "curve": curve, "first": scored[0] if scored else None, "last": scored[-1] if scored else None,
         "best": max(scored, key=lambda c: c["f1"]) if scored else None,

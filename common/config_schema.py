@@ -84,7 +84,8 @@ class TrainingConfig:
     max_steps: int = doc("Optimizer steps to run.", 100)
     max_train_seconds: float | None = doc(
         "Also stop after the optimizer step at which this process has trained this long (the sum of time/step: "
-        "forward/backward, waits and sync stalls; rank 0's clock, broadcast each step): an equal learner-time budget "
+        "forward/backward, waits and sync stalls; rank 0's clock, broadcast each step), not counting the process's "
+        "first step (one-time start-up: the start-up sync and CUDA initialisation): an equal learner-time budget "
         "for comparisons (bench/bench_quality.py). None = max_steps only. Restarts on resume.", None
     )
     seed: int = doc("Base seed (learner data order, rollout seeds, actor streams).", 0)

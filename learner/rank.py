@@ -66,7 +66,8 @@ class Learner:
         self.run_id: str | None = None  # the output_dir's run (run_info.json), read in setup()
         self.step = 0
         self.ver = 0
-        self.train_seconds = 0.0  # sum of time/step in this process (training.max_train_seconds)
+        # max_train_seconds: time/step summed after this process's first step (start-up: sync setup, CUDA init)
+        self.train_seconds, self._budget_running = 0.0, False
         self.out_of_time = False
         self._final_push_failed = False
         self.realized = RealizedRatio(REALIZED_WINDOW)
@@ -331,7 +332,9 @@ class Learner:
             for name, value in counters.items():
                 stats[f"queue_{name}"] = value
         stats["time_step"] = time.monotonic() - t_step
-        self.train_seconds += stats["time_step"]
+        if self._budget_running:
+            self.train_seconds += stats["time_step"]
+        self._budget_running = True
         for name, gib in parallel.peak_memory_gb(self.dist.device).items():  # since the process started
             stats[f"mem_peak_{name}"] = gib
         facts.update({

@@ -46,10 +46,11 @@ def test_quick_quality_bench_runs_every_arm_from_the_warm_start_and_reports_curv
 
 
 def test_figures_put_each_evaluation_at_the_learner_seconds_spent_before_its_step():
-    steps = [{"step": s, "time/step": 0.5, "stage2_ab/async/step_kind_b": s % 2} for s in range(6)]
+    # step 0 holds the start-up (sync setup, CUDA init): not learner time, as training.max_train_seconds counts it
+    steps = [{"step": s, "time/step": 7.0 if s == 0 else 0.5, "stage2_ab/async/step_kind_b": s % 2} for s in range(6)]
     evals = [{"step": 0, "eval/f1": 0.2, "eval/map": 0.1}, {"step": 4, "eval/f1": 0.5, "eval/map": 0.3},
              {"step": 6, "eval/f1": 0.4, "eval/map": 0.2}]
     fig = bq.arm_figures("x", steps, evals, wall_s=9.0)
-    assert [c["learner_s"] for c in fig["curve"]] == [0.0, 2.0, 3.0]
-    assert fig["b_steps"] == 3 and fig["learner_s"] == 3.0
+    assert [c["learner_s"] for c in fig["curve"]] == [0.0, 1.5, 2.5]
+    assert fig["b_steps"] == 3 and fig["learner_s"] == 2.5 and fig["startup_step_s"] == 7.0
     assert fig["first"]["f1"] == 0.2 and fig["last"]["f1"] == 0.4 and fig["best"]["f1"] == 0.5
