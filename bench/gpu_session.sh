@@ -123,6 +123,29 @@ setup_z() {  # 1 GPU: the tiny model (GPU tests), the 0.5b preset and the data, 
       python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b && python3 -m common.synthetic --out $DATA --n 96 --seed 0"
 }
 
+quality_setup() {  # the quality parts' inputs: the tiny detector (carried in .gpu-carry: make tiny-detector) and its
+  # data where missing; PAIR2 / SRV2: the overrides that put a second 1 + 1 pair on GPUs 2-3
+  mkdir -p .make && touch .make/installed
+  step env 30 bash -c 'nvidia-smi --query-gpu=index,memory.used --format=csv; python3 -c "import vllm, pycocotools; print(vllm.__version__)"'
+  [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/
+  [ -f artifacts/data/detect/train.jsonl ] || step data 120 python3 -m common.synthetic --out artifacts/data/detect \
+    --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
+  PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
+  SRV2='rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
+}
+
+quality_arms() {  # quality_arms TAG PAIR DEADLINE_S: bench_quality.py's A-only + step arms on GPUs 0-1 (PAIR 1) or its
+  # async AB arm on GPUs 2-3 (PAIR 2), QBUDGET (75) learner-seconds an arm, into runs/TAG-pairPAIR
+  local q="python3 bench/bench_quality.py --config configs/gpu/quality_split.yaml --budget-s ${QBUDGET:-75} --eval-every 100"
+  # shellcheck disable=SC2086  # $q and $PAIR2 are word lists
+  if [ "$2" = 1 ]; then
+    step quality-pair1 "$3" $q --arms a_only,step --out "runs/$1-pair1" --json "$OUT/quality-pair1.json"
+  else
+    VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 step quality-pair2 "$3" $q --arms async_ab --out "runs/$1-pair2" \
+      --json "$OUT/quality-pair2.json" $PAIR2 "$SRV2"
+  fi
+}
+
 bundle() {  # bundle NAME PATH...: one tar.gz of what exists (log files cut to their last 3000 lines)
   local name=$1; shift
   local stage; stage=$(mktemp -d)
@@ -509,18 +532,10 @@ PYEOF
   G8)  # ~9 min, 4 GPUs, vLLM: two 1 + 1 pairs side by side from the tiny detector's warm start (configs/gpu/quality_split.yaml),
        # 75 learner-seconds an arm: GPUs 0-1 A-only then step, GPUs 2-3 async AB then the NCCL weight-sync bench
     BUDGET=${BUDGET:-580}
-    mkdir -p .make && touch .make/installed
-    step env 30 bash -c 'nvidia-smi --query-gpu=index,memory.used --format=csv; python3 -c "import vllm, pycocotools; print(vllm.__version__)"'
-    [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/   # carried: make tiny-detector
-    step data 120 bash -c "[ -f artifacts/tiny-model/tandem_build.json ] || python3 tools/make_tiny_model.py --out artifacts/tiny-model;
-      python3 -m common.synthetic --out artifacts/data/detect --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6"
-    PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
-    Q="python3 bench/bench_quality.py --config configs/gpu/quality_split.yaml --budget-s ${QBUDGET:-75} --eval-every 100"
-    step quality-pair1 470 $Q --arms a_only,step --out runs/g8-pair1 --json "$OUT/quality-pair1.json" &
+    quality_setup
+    quality_arms g8 1 470 &
     P1=$!
-    # shellcheck disable=SC2086  # $PAIR2 is a list of overrides
-    ( sleep 20; VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 step quality-pair2 250 $Q --arms async_ab --out runs/g8-pair2 \
-        --json "$OUT/quality-pair2.json" $PAIR2 'rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
+    ( sleep 20; quality_arms g8 2 250
       step bench-sync 220 $BENCH --presets 0.5b,1.5b,7b --weight-load fast --syncs 3 --reps 3 --server-gpus 2 \
         --learner-gpu 3 --log-dir "$OUT/bench-logs" --out "$OUT/bench-sync.json" ) &
     P2=$!
@@ -553,18 +568,10 @@ PYEOF
   H8)  # ~9.5 min, 4 GPUs, vLLM: the quality arms of G8 after the fence fix (75 learner-seconds an arm), then issue 19's
        # one-GPU topology run (server and learner on GPU 2, 50 steps) once pair 2's arm is done
     BUDGET=${BUDGET:-580}
-    mkdir -p .make && touch .make/installed
-    step env 30 bash -c 'nvidia-smi --query-gpu=index,memory.used --format=csv; python3 -c "import vllm, pycocotools; print(vllm.__version__)"'
-    [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/
-    [ -f artifacts/data/detect/train.jsonl ] || step data 120 python3 -m common.synthetic --out artifacts/data/detect \
-      --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
-    PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
-    Q="python3 bench/bench_quality.py --config configs/gpu/quality_split.yaml --budget-s ${QBUDGET:-75} --eval-every 100"
-    step quality-pair1 500 $Q --arms a_only,step --out runs/h8-pair1 --json "$OUT/quality-pair1.json" &
+    quality_setup
+    quality_arms h8 1 500 &
     P1=$!
-    # shellcheck disable=SC2086  # $PAIR2 is a list of overrides
-    ( sleep 15; VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 step quality-pair2 260 $Q --arms async_ab --out runs/h8-pair2 \
-        --json "$OUT/quality-pair2.json" $PAIR2 'rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
+    ( sleep 15; quality_arms h8 2 260
       rm -rf runs/h8-one-gpu
       VLLM_CACHE_ROOT=/tmp/vllm-cache-pair2 KILL_AFTER=30 step launcher-one-gpu 240 python3 -m launcher \
         --config configs/gpu/one_gpu.yaml training.max_steps=50 training.output_dir=runs/h8-one-gpu run_name=h8-one-gpu \
@@ -598,12 +605,7 @@ PYEOF
             # GPUs 0-1, 0.2 then 0.4 on GPUs 2-3, 75 learner-seconds each. H11 (~3.5 min): (sync_every_steps, version_window)
             # = (2, 1) on GPUs 0-1 and (4, 4) on GPUs 2-3, QBUDGET (60) learner-seconds each.
     BUDGET=${BUDGET:-580}
-    mkdir -p .make && touch .make/installed
-    [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/
-    [ -f artifacts/data/detect/train.jsonl ] || step data 120 python3 -m common.synthetic --out artifacts/data/detect \
-      --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
-    PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
-    SRV2='rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
+    quality_setup
     A="stage2_ab.channel_b.async"
     if [ "$PART" = H10 ]; then
       ARM1=("stage2_ab.schedule.b_ratio=0.1" "stage2_ab.schedule.b_ratio=0.3")
