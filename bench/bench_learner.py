@@ -142,7 +142,6 @@ def main() -> int:
     import torch
 
     from common.config import load_config
-    from common.transport import max_frame_bytes
     from learner.distributed import Dist
     from learner.pack_queue import ReadyQueue
     from learner.rank import Learner
@@ -171,7 +170,6 @@ def main() -> int:
     a = cfg.stage2_ab.channel_b.async_
     learner.queue = ReadyQueue(rank=0, queue_limit=a.queue_limit, version_window=a.version_window,
                                target=a.prefetch_target_packs, trained_ids=learner.b_trained)
-    learner.max_frame = max_frame_bytes(cfg.transport, learner.packing_length)  # what open_queue() sets (no sockets here)
     learner.setup()
     pool = encoded_segments(learner.encoder, data, 8)
     results = [

@@ -69,7 +69,7 @@ def run_arm(name: str, args: argparse.Namespace, overrides: list[str]) -> dict[s
     return arm_figures(name, steps, evals, wall_s=time.monotonic() - t0)
 
 
-def learner_seconds_at(steps: list[dict[str, Any]], step: int) -> float:
+def learner_seconds_at(steps: list[dict[str, Any]], step: float) -> float:
     """Learner seconds spent before optimizer step ``step``: the sum of time/step after the run's first step,
     as ``training.max_train_seconds`` counts them (the first step is start-up: :func:`arm_figures` reports it)."""
     first = min((r.get("step", 0) for r in steps), default=0)
@@ -83,7 +83,7 @@ def arm_figures(name: str, steps: list[dict[str, Any]], evals: list[dict[str, An
     scored = [c for c in curve if c["f1"] is not None]
     return {
         "arm": name, "steps": len(steps), "b_steps": sum(1 for r in steps if r.get("stage2_ab/async/step_kind_b")),
-        "learner_s": learner_seconds_at(steps, max((r.get("step", 0) for r in steps), default=0) + 1),
+        "learner_s": learner_seconds_at(steps, float("inf")),
         "startup_step_s": min(steps, key=lambda r: r.get("step", 0)).get("time/step") if steps else None,
         "wall_s": wall_s,
         "wait_for_rollouts_s": sum(r.get("time/wait_for_packs", 0.0) for r in steps),

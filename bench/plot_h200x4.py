@@ -97,7 +97,7 @@ def plot_b_sweep(rows: list, curves: dict, path: Path) -> None:
     """B realised, stale-drop rate, B fill and val F1 (last; mean of the evaluations after step 0) against b_ratio."""
     by_run = {r["run"]: r for r in rows}
     bs = [0.1, 0.2, 0.3, 0.4, 0.5]
-    picked = [by_run[f"b{b}"] if f"b{b}" in by_run else by_run["b0.5 (H8 async)"] for b in bs]
+    picked = [by_run[f"b{b}"] for b in bs]
     mean_f1 = []
     for b in bs:
         post = [p["f1"] for p in curves[f"b{b}"] if p["step"] > 0]

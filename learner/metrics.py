@@ -110,6 +110,8 @@ def memory_keys(per_rank: list[RankStats]) -> dict[str, Any]:
 #: The per-rank times of a step's parts besides forward/backward (:func:`busy_seconds`); ``time/other`` is the rest.
 TIMED_PARTS = ("time_wait_for_packs", "time_wait_for_a_window", "time_sync_stall", "time_optimizer_step",
                "time_prepare_inputs")
+#: The record keys that add up to ``time/step`` on a one-rank CPU learner: forward/backward, the parts, the rest.
+STEP_TIME_KEYS = ("time/forward_backward", *(f"time/{k.removeprefix('time_')}" for k in TIMED_PARTS), "time/other")
 
 
 def busy_seconds(stats: RankStats) -> float:

@@ -96,9 +96,8 @@ class Learner:
         from common.transport import CreditPublisher, PackReceiver, credit_endpoint, max_frame_bytes, pack_endpoint
 
         t, a = self.cfg.transport, self.cfg.stage2_ab.channel_b.async_
-        self.max_frame = max_frame_bytes(t, self.packing_length)  # checked against the model in setup()
         receiver = PackReceiver(pack_endpoint(t, self.dist.rank, self.cfg.learner), hwm=t.hwm, linger_ms=t.linger_ms,
-                                max_frame_bytes=self.max_frame)
+                                max_frame_bytes=max_frame_bytes(t, self.packing_length))  # setup() checks the model
         publisher = CreditPublisher(credit_endpoint(t, self.dist.rank, self.cfg.learner))
         self._sockets = [receiver, publisher]
         self.queue = ReadyQueue(
@@ -163,15 +162,16 @@ class Learner:
         self._eval_due = True  # the first push (start-up sync) is evaluated: the quality training starts from
 
     def _admit_packs(self, model: torch.nn.Module) -> None:
-        """The ready queue's admission limits, from the model (before the receiver thread starts)."""
+        """The ready queue's admission limits from the model, its largest pack checked against the frame cap."""
+        from common.transport import max_frame_bytes  # the receiver's cap, from the same config (open_queue)
         one = np.zeros(1, np.int64)
         rows = int(self.encoder.position_ids(one, one, np.zeros((0, 3), np.int64)).shape[0])
         limits = pack_limits(model, self.packing_length, rows, ROLLOUT_COUNTS)
-        if limits.largest_frame_bytes() > self.max_frame:
+        if limits.largest_frame_bytes() > (cap := max_frame_bytes(self.cfg.transport, self.packing_length)):
             raise ConfigError([
                 f"transport.max_frame_mb = {self.cfg.transport.max_frame_mb}: a legal pack of this model can send a "
                 f"{limits.largest_frame_bytes() / 2**20:.0f} MiB frame (pixel_values of {self.packing_length} tokens), "
-                f"above the {self.max_frame / 2**20:.0f} MiB cap: ZMQ would drop it. Fix: set transport.max_frame_mb: "
+                f"above the {cap / 2**20:.0f} MiB cap: ZMQ would drop it. Fix: set transport.max_frame_mb: "
                 f"{math.ceil(2 * limits.largest_frame_bytes() / 2**20)}"
             ])
         self.queue.limits = limits  # type: ignore[union-attr]

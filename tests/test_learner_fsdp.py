@@ -228,13 +228,10 @@ def test_every_step_record_carries_each_ranks_peak_memory_and_the_engine(runs):
             assert rec["time/step"] > rec["time/optimizer_step"] > 0  # the AdamW step is timed on its own
 
 
-#: A step's timed parts and the rest: on one rank they add up to ``time/step`` (docs/metrics.md, ``time/other``).
-STEP_PARTS = ("time/forward_backward", "time/wait_for_packs", "time/wait_for_a_window", "time/sync_stall",
-              "time/optimizer_step", "time/prepare_inputs", "time/other")
-
-
 @pytest.mark.slow
 def test_every_step_record_says_where_its_time_went(runs):
+    from learner.metrics import STEP_TIME_KEYS  # on one rank they add up to time/step (docs/metrics.md, time/other)
+
     for name, run in runs.items():
         for rec in run["metrics"]:
             where = (name, rec["step"])
@@ -242,7 +239,7 @@ def test_every_step_record_says_where_its_time_went(runs):
             assert 0 <= rec["time/other"] < 0.5 * rec["time/step"], where  # most of a CPU step is in timed parts
             assert "time/forward_backward_gpu" not in rec, where  # a CPU learner: no device time, not 0
             if len(run["ranks"]) == 1:
-                assert sum(rec[k] for k in STEP_PARTS) == pytest.approx(rec["time/step"], rel=1e-9, abs=1e-12), where
+                assert sum(rec[k] for k in STEP_TIME_KEYS) == pytest.approx(rec["time/step"], rel=1e-9, abs=1e-12), where
             # CPU: busy is the wall forward/backward, as before there was a device time
             assert rec["learner/busy_fraction"] == pytest.approx(rec["time/forward_backward_mean"] / rec["time/step"])
 

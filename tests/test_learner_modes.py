@@ -55,11 +55,11 @@ def test_step_mode_makes_one_optimizer_update_per_step_whatever_the_pack_count(t
     )
     assert [m["learner/optimizer_updates_total"] for m in metrics] == list(range(1, steps + 1))
     # Each pack's inputs are timed as they are built; one rank: the timed parts and time/other add up to the step.
-    parts = ("time/forward_backward", "time/wait_for_packs", "time/wait_for_a_window", "time/sync_stall",
-             "time/optimizer_step", "time/prepare_inputs", "time/other")
+    from learner.metrics import STEP_TIME_KEYS
+
     for m in metrics:
         assert m["time/prepare_inputs"] > 0 and m["time/other"] >= 0, m["step"]
-        assert sum(m[k] for k in parts) == pytest.approx(m["time/step"], rel=1e-9, abs=1e-12), m["step"]
+        assert sum(m[k] for k in STEP_TIME_KEYS) == pytest.approx(m["time/step"], rel=1e-9, abs=1e-12), m["step"]
     # The optimizer itself counted one step per optimizer step: AdamW's per-parameter step counter.
     state = torch.load(tmp_path / "run" / "checkpoints" / str(steps) / "optimizer.pt")["state"]
     assert {float(s["step"]) for s in state.values()} == {float(steps)}

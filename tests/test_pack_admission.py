@@ -134,18 +134,7 @@ def test_the_default_cap_covers_the_biggest_legal_pack_of_the_packing_length():
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory, tiny_model_dir, synth_data_dir):
     """A real one-rank learner (tiny model, Channel-A data, its ready queue bound), no rollout server."""
-    from common.config import load_config
-    from learner.distributed import Dist
-    from learner.rank import Learner
-    from learner.run_record import start_run
-    from tests.test_learner_harness import write_config
-
-    tmp = tmp_path_factory.mktemp("admission")
-    path = write_config(tmp / "cfg.yaml", model_dir=tiny_model_dir, data_dir=synth_data_dir, output_dir=tmp / "run",
-                        nproc=1, training={"max_steps": 100, "trace_micro_steps": False, "lr": 1e-2})
-    cfg = load_config(path, world_size=1)
-    assert start_run(cfg, 1) is None  # the run record with its run id, as learner/main.py writes it
-    lrn = Learner(cfg, Dist("gloo"))
+    lrn = _fresh_learner(tmp_path_factory.mktemp("admission"), tiny_model_dir, synth_data_dir, ["training.lr=1e-2"])
     lrn.open_queue()
     lrn.setup()
     yield lrn
@@ -176,7 +165,7 @@ def test_the_queue_takes_its_limits_from_the_model(learner):
     emb = learner.hf_model.get_input_embeddings().weight.shape[0]
     assert (lim.vocab_size, lim.packing_length, lim.rope_rows) == (emb, 768, 3)
     assert lim.image_token_id == learner.hf_model.config.image_token_id and lim.merge_size == 2
-    assert lim.largest_frame_bytes() <= learner.max_frame  # checked at setup
+    assert lim.largest_frame_bytes() <= max_frame_bytes(learner.cfg.transport, 768)  # checked at setup
     from common.segment import pack_rejection
     from learner.metrics import RankStats
 
@@ -212,3 +201,47 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+
+def _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, overrides=()):
+    """A new one-rank learner of the test config (not yet set up): for what the module's shared one has used up."""
+    from common.config import load_config
+    from learner.distributed import Dist
+    from learner.rank import Learner
+    from learner.run_record import start_run
+    from tests.test_learner_harness import write_config
+
+    path = write_config(tmp_path / "cfg.yaml", model_dir=tiny_model_dir, data_dir=synth_data_dir, output_dir=tmp_path / "run",
+                        nproc=1, training={"max_steps": 100, "trace_micro_steps": False})
+    cfg = load_config(path, list(overrides), world_size=1)
+    assert start_run(cfg, 1) is None  # the run record with its run id, as learner/main.py writes it
+    return Learner(cfg, Dist("gloo"))
+
+
+def test_a_frame_cap_below_the_models_largest_legal_pack_is_refused_at_setup_naming_the_key(tmp_path, tiny_model_dir,
+                                                                                            synth_data_dir):
+    from common.config import ConfigError
+
+    # a tiny-model pack of 768 tokens can carry ~14 MiB of pixel_values
+    lrn = _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, ["transport.max_frame_mb=1"])
+    try:
+        lrn.open_queue()
+        with pytest.raises(ConfigError, match=r"transport\.max_frame_mb = 1: .* above the 1 MiB cap"):
+            lrn.setup()
+    finally:
+        lrn.close()
+
+
+def test_the_learner_time_budget_leaves_the_processs_first_step_out(tmp_path, tiny_model_dir, synth_data_dir):
+    """training.max_train_seconds: the first step of a process carries start-up (its sync, CUDA init), not training."""
+    lrn = _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, ["training.max_train_seconds=1000"])
+    try:
+        lrn.open_queue()
+        lrn.setup()
+        a_step(lrn, spoil=False)
+        assert lrn.step == 1 and lrn.train_seconds == 0.0
+        a_step(lrn, spoil=False)
+        assert lrn.step == 2 and lrn.train_seconds > 0.0
+    finally:
+        lrn.close()
