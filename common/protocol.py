@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.message_base import Message as _Message
+from common.message_base import ContentError, error_location, lone_surrogate
 from common.sync_messages import (  # noqa: F401  (re-exported: the /sync/* half of the HTTP contract)
     BUCKET_HEADER,
     MAX_VER,
@@ -67,8 +68,10 @@ from common.wire import (  # noqa: F401  (re-exported: the ZMQ half of the contr
 MAX_TOKENS_LIMIT = 32768
 #: Upper bound on ``InferRequest.items``; clients split larger batches.
 MAX_BATCH = 1024
-#: Sampling seeds are 0 .. 2**63 - 1: what torch's and vLLM's generators take (a 64-bit seed overflowed).
-MAX_SEED = 2**63 - 1
+#: Sampling seeds are 0 .. 2**53 - 1: inside what torch's and vLLM's generators take (a 64-bit seed overflowed),
+#: and exact as a JSON number, so the schema's bound is the server's (2**63 - 1 read as a double is 2**63: a
+#: client checking the schema took seeds the server refused).
+MAX_SEED = 2**53 - 1
 #: ``top_k`` and token ids fit an int32 (vLLM keeps them in int32 tensors); larger is never meaningful.
 MAX_INT32 = 2**31 - 1
 #: Repetition penalties outside [1/100, 100] push logits to inf (a NaN distribution on the engine), and no
@@ -104,7 +107,7 @@ class SamplingParams(_Message):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     """New tokens to generate at most (required: the server has no safe default)."""
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    """Per-request sampling seed in 0..2**63-1; None = the engine's own randomness (not reproducible)."""
+    """Per-request sampling seed in 0..2**53-1; None = the engine's own randomness (not reproducible)."""
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     """Extra stop strings (at most 16, each 1..256 characters); generation always stops at the chat
     template's turn end."""
@@ -134,9 +137,15 @@ class ChatPart(_Message):
     """``text`` carries ``text``; ``image`` is an image slot."""
     text: str | None = None
     """The text of a ``text`` part; None for image parts."""
-    image: str | None = None
+    image: str | None = Field(None, min_length=1)
     """An ``image`` part's image inline (path or data URI, as in ``InferItem.images``); None = take the
     next entry of ``InferItem.images``."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "text"}}, "required": ["type"]},
+        "then": {"required": ["text"], "properties": {"text": {"type": "string"}, "image": {"type": "null"}}},
+        "else": {"properties": {"text": {"type": "null"}}},
+    })
 
     @model_validator(mode="after")
     def _matches_type(self) -> ChatPart:
@@ -165,6 +174,10 @@ class ChatMessage(_Message):
 class InferItem(_Message):
     """One prompt: exactly one of ``messages`` or ``prompt_token_ids``.
 
+    Rules the schema cannot state (a 400 when broken): ``images`` has one entry per image part without
+    an inline ``image``; every token id is inside the model's vocabulary; the prompt fits the model's
+    context (its ``max_position_embeddings``); every image can be read.
+
     Example:
         {"id": "coco-17", "messages": [{"role": "user", "content": [{"type": "image"},
          {"type": "text", "text": "Detect all objects."}]}], "prompt_token_ids": null,
@@ -178,7 +191,7 @@ class InferItem(_Message):
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1)
     """Already-templated prompt token ids (vision pad tokens included), each in 0..2**31-1 (one outside
     the model's vocabulary is a 400 naming it); None when ``messages`` is given."""
-    images: list[str] | None = None
+    images: list[Annotated[str, Field(min_length=1)]] | None = None
     """Images for the image slots in order: server-side file paths or ``data:image/<fmt>;base64,...``
     URIs; None = no images besides inline ones."""
 
@@ -188,6 +201,12 @@ class InferItem(_Message):
         for ref in images or []:
             _check_image_ref(ref)
         return images
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt_token_ids": {"type": "null"}}},
+        {"required": ["prompt_token_ids"],
+         "properties": {"prompt_token_ids": {"type": "array"}, "messages": {"type": "null"}}},
+    ]})
 
     @model_validator(mode="after")
     def _one_prompt(self) -> InferItem:
@@ -203,7 +222,7 @@ class InferItem(_Message):
             )
             given = len(self.images or [])
             if slots != given:
-                raise ValueError(f"'images' has {given} entries for {slots} image parts without 'image'")
+                raise ContentError(f"'images' has {given} entries for {slots} image parts without 'image'")
         return self
 
 
@@ -346,10 +365,18 @@ class ErrorResponse(_Message):
     hint: str | None = None
     """The likely fix; None when there is none to give."""
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """An error may quote the text it refuses: a lone surrogate there is escaped, not refused."""
+        if isinstance(value, str) and lone_surrogate(value) is not None:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+
     @classmethod
     def from_validation_error(cls, exc: ValidationError, hint: str | None = None) -> ErrorResponse:
         """A ``bad_request`` naming every field pydantic rejected (the first one in ``field``)."""
-        problems = [(".".join(map(str, e["loc"])) or "body", e["msg"]) for e in exc.errors()]
+        problems = [(".".join(error_location(e)) or "body", e["msg"]) for e in exc.errors()]
         message = "; ".join(f"{loc}: {msg}" for loc, msg in problems)
         return cls(error="bad_request", field=problems[0][0] if problems else None, message=message, hint=hint)
 
@@ -358,7 +385,8 @@ def _check_image_ref(ref: str) -> None:
     if ref.startswith("data:"):
         head, _, payload = ref.partition(",")
         if not (head.startswith("data:image/") and head.endswith(";base64") and payload):
-            raise ValueError("a data URI image must look like 'data:image/<fmt>;base64,<payload>'")
+            # An image reference the server cannot read, like an unreadable image: a 400, not a schema 422.
+            raise ContentError("a data URI image must look like 'data:image/<fmt>;base64,<payload>'")
     elif not ref:
         raise ValueError("an image path must not be empty")
 

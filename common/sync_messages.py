@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from common.message_base import ContentError
 from common.message_base import Message as _Message
 
 #: HTTP request header carrying the JSON :class:`SyncBucketHeader` of a ``POST /sync/bucket`` body.
@@ -111,6 +112,13 @@ class SyncInitRequest(_Message):
     """NCCL only: overrides ``rollout_server.weight_load`` for this session (the benchmark and the GPU
     tests compare the two load paths on one server); None keeps the server's setting."""
 
+    model_config = {"json_schema_extra": {
+        "if": {"properties": {"transport": {"const": "nccl"}}, "required": ["transport"]},
+        "then": {"required": ["master_addr", "master_port", "world_size"],
+                 "properties": {k: {"not": {"type": "null"}} for k in ("master_addr", "master_port", "world_size")}},
+        "else": {"properties": {"weight_load": {"type": "null"}}},
+    }}
+
     @model_validator(mode="after")
     def _nccl_needs_rendezvous(self) -> SyncInitRequest:
         missing = [k for k in ("master_addr", "master_port", "world_size") if getattr(self, k) is None]
@@ -187,6 +195,10 @@ class SyncBucketHeader(_Message):
     after the last tensor). NCCL: body of ``POST /sync/update``, sent before rank 0 broadcasts one
     flat uint8 buffer; offsets are into that buffer. IPC: part of :class:`SyncIpcRequest`.
 
+    Rules between fields (a 400 when broken: JSON Schema cannot state them): ``names``, ``dtypes``,
+    ``shapes`` and ``offsets`` have one length; names do not repeat; each offset range spans exactly
+    ``prod(shape) x dtype size`` bytes.
+
     Example:
         {"session": "s-7f3a", "index": 0, "names": ["lm_head.weight"], "dtypes": ["bfloat16"],
          "shapes": [[151936, 896]], "offsets": [[0, 272269312]]}
@@ -202,21 +214,21 @@ class SyncBucketHeader(_Message):
     """Dtype of each tensor, parallel to ``names``."""
     shapes: list[list[int]]
     """Shape of each tensor, parallel to ``names``."""
-    offsets: list[tuple[int, int]]
+    offsets: list[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]]
     """Byte range ``[begin, end)`` of each tensor in the bucket, parallel to ``names``."""
 
     @model_validator(mode="after")
     def _layout_consistent(self) -> SyncBucketHeader:
         n = len(self.names)
         if not len(self.dtypes) == len(self.shapes) == len(self.offsets) == n:
-            raise ValueError("names, dtypes, shapes and offsets must have equal length")
+            raise ContentError("names, dtypes, shapes and offsets must have equal length")
         if len(set(self.names)) != n:
-            raise ValueError("names repeat within the bucket")
+            raise ContentError("names repeat within the bucket")
         for name, dtype, shape, (begin, end) in zip(self.names, self.dtypes, self.shapes, self.offsets):
             if any(d < 0 for d in shape) or begin < 0:
-                raise ValueError(f"{name}: negative dimension or offset")
+                raise ContentError(f"{name}: negative dimension or offset")
             if end - begin != math.prod(shape) * SYNC_DTYPE_BYTES[dtype]:
-                raise ValueError(f"{name}: offsets span {end - begin} bytes, {dtype} {shape} needs "
+                raise ContentError(f"{name}: offsets span {end - begin} bytes, {dtype} {shape} needs "
                                  f"{math.prod(shape) * SYNC_DTYPE_BYTES[dtype]}")
         return self
 
@@ -259,6 +271,13 @@ class SharedBuffer(_Message):
     event_sync_required: bool = False
     """cuda: whether to wait on ``event_handle``."""
 
+    model_config = {"json_schema_extra": {
+        "if": {"properties": {"kind": {"const": "shm"}}, "required": ["kind"]},
+        "then": {"required": ["path"], "properties": {"path": {"type": "string"}}},
+        "else": {"required": ["device_uuid", "handle", "ref_counter_handle"],
+                 "properties": {k: {"type": "string"} for k in ("device_uuid", "handle", "ref_counter_handle")}},
+    }}
+
     @model_validator(mode="after")
     def _kind_fields(self) -> SharedBuffer:
         need = ["path"] if self.kind == "shm" else ["device_uuid", "handle", "ref_counter_handle"]
@@ -273,7 +292,8 @@ class SyncIpcRequest(SyncBucketHeader):
 
     The layout fields are :class:`SyncBucketHeader`'s (offsets relative to ``source.offset``); the reply
     (:class:`SyncBucketResponse`) comes once the server has copied the bytes, so the learner may reuse
-    its buffer for the next bucket.
+    its buffer for the next bucket. Besides the header's rules (a 400 when broken), the bucket must end
+    inside the shared buffer: ``source.offset + offsets[-1][1] <= source.size``.
 
     Example:
         {"session": "s-7f3a", "index": 0, "names": ["model.norm.weight"], "dtypes": ["bfloat16"],
@@ -288,7 +308,7 @@ class SyncIpcRequest(SyncBucketHeader):
     def _fits(self) -> SyncIpcRequest:
         end = self.offsets[-1][1] if self.offsets else 0
         if self.source.offset + end > self.source.size:
-            raise ValueError(f"the bucket ends at byte {self.source.offset + end}, the shared buffer has "
+            raise ContentError(f"the bucket ends at byte {self.source.offset + end}, the shared buffer has "
                              f"{self.source.size}")
         return self
 

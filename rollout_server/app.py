@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -61,9 +62,10 @@ from common.protocol import (
     SyncInitResponse,
     SyncIpcRequest,
 )
+from common.message_base import content_only, error_location
 from common.tensors import packed as P
-from rollout_server.engines.base import Engine, EngineInputError
-from rollout_server.errors import ApiError, error_content
+from rollout_server.engines.base import Engine, EngineInputError, check_prompt_lengths
+from rollout_server.errors import ApiError, UnexpectedErrors, error_content
 from rollout_server.fence import AdmissionTimeout, Fence
 from rollout_server.guard import (CLIENT_CLOSED, Limits, RequestGuard, check_pixels, names_images, read_body,
                                   unless_disconnected)
@@ -77,6 +79,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+#: ``POST /sync/bucket``'s header, as OpenAPI states it: required, a JSON :class:`SyncBucketHeader`.
+BUCKET_HEADER_PARAMETER = {
+    "name": BUCKET_HEADER, "in": "header", "required": True,
+    "description": "The bucket's layout: a JSON SyncBucketHeader (names, dtypes, shapes, offsets into the body)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SyncBucketHeader"}}},
+}
+
+
 class ServerState:
     """What /health reports besides the fence: engine loading, ready, or failed."""
 
@@ -84,6 +94,18 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.started_at = time.time()
+
+
+def named_session(body: Any) -> str | None:
+    """The ``session`` a /sync request names, read from a body (or a bucket header) that failed validation:
+    a dict's string ``session``, or None when there is none to read."""
+    if isinstance(body, (str, bytes)):  # a bucket header, or the text of a body that is not JSON
+        try:
+            body = json.loads(body)
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
+            return None
+    session = body.get("session") if isinstance(body, dict) else None
+    return session if isinstance(session, str) else None
 
 
 def _server_cfg(cfg: Any) -> Any:
@@ -101,6 +123,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
     metrics = ServerMetrics()
     fence = Fence(on_wait=metrics.admission_wait.observe)
     metrics.bind(fence)
+    engine.on_cancelled_tokens = metrics.observe_cancelled_tokens
     sync = SyncController(engine, fence, idle_timeout_s=srv.sync_idle_timeout_s, metrics=metrics)
     state = ServerState()
 
@@ -110,6 +133,9 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
                 await engine.start()
             state.status = "ok"
             log.info("serving %s with the %s engine at ver %d", engine.model_path, engine.name, fence.ver)
+            if not limits.auth_token:  # allowed on loopback only (common/config_server.py); say what it means
+                log.info("/sync/* take no token (rollout_server.auth_token unset): any local process may push "
+                         "weights; set a token on a machine shared with other users")
         except Exception as exc:  # noqa: BLE001 - any start failure is fatal and reported
             state.status, state.error = "error", f"{type(exc).__name__}: {exc}"
             log.error("engine %s failed to start: %s", engine.name, state.error, exc_info=not isinstance(exc, ImportError))
@@ -146,7 +172,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = []
         for e in exc.errors():
-            loc = [str(p) for p in e.get("loc", ())]
+            loc = error_location(e)
             if loc and loc[0] == "body":
                 loc = loc[1:]
             problems.append((".".join(loc) or "body", e.get("msg", "invalid"), e.get("type", "")))
@@ -155,20 +181,19 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
             field, message = "body", "malformed JSON: " + "; ".join(m for _, m, t in problems if t == "json_invalid")
         else:
             field, message = problems[0][0], "; ".join(f"{f}: {m}" for f, m, _ in problems)
-        body = ErrorResponse(error="bad_request", field=field, message=message,
-                             hint="see the request schema at /docs" if not malformed else "send a JSON object")
-        return error_json(request, body, 400 if malformed else 422)
+        # 422: the body breaks the published schema; 400: it fits the schema but breaks a rule between
+        # fields that JSON Schema cannot state (common.message_base.ContentError), or is not JSON at all.
+        status = 400 if malformed or content_only(exc.errors()) else 422
+        error = ApiError(status, "bad_request", message, field=field,
+                         hint="see the request schema at /openapi.json" if not malformed else "send a JSON object")
+        if request.url.path.startswith("/sync/"):  # a session's request that fails validation ends it too
+            error = await sync.request_failed(named_session(getattr(exc, "body", None)), error)
+        return error_json(request, error.body, error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         body = ErrorResponse(error="bad_request", message=f"{request.method} {request.url.path}: {exc.detail}")
-        return error_json(request, body, exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        body = ErrorResponse(error="engine_error", message=f"{type(exc).__name__}: {exc}")
-        return error_json(request, body, 500)
+        return error_json(request, body, exc.status_code, exc.headers)  # a 405's headers carry Allow
 
     def require_ready() -> None:
         if state.status != "ok" or sync.error:
@@ -206,9 +231,14 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
             raise ApiError(413, "bad_request", f"{len(items)} items exceed rollout_server.max_batch_items "
                            f"= {limits.max_batch_items}", field=field, hint="send smaller batches")
         if min_ver is not None and min_ver > fence.ver + MAX_VER_JUMP:  # no commit can bring ver there
-            raise ApiError(422, "bad_request", f"min_ver {min_ver} is more than {MAX_VER_JUMP} above the server's "
+            raise ApiError(400, "bad_request", f"min_ver {min_ver} is more than {MAX_VER_JUMP} above the server's "
                            f"ver {fence.ver}: one commit moves ver by at most that", field="min_ver",
                            hint="ask for a ver the learner has pushed (its ver_current)")
+        try:  # before a ticket or an engine thread: a 1 M-id prompt costs no one anything
+            check_prompt_lengths(items, sampling.max_tokens, engine.max_model_len, engine.max_request_tokens)
+        except EngineInputError as exc:
+            raise ApiError(exc.status, "bad_request", str(exc), field=exc.field,
+                           hint="shorten the prompt or lower max_tokens") from None
         if any(names_images(it) for it in items):  # headers only, read on a thread; before a ticket is taken
             await asyncio.to_thread(check_pixels, items, limits)
         work = fence.run(lambda: engine.generate(items, sampling), min_ver=min_ver, timeout_s=srv.admission_timeout_s)
@@ -230,7 +260,9 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
         return ticket, outputs
 
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -250,50 +282,50 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
         return await sync.begin(req)
 
     @admin.post("/bucket", response_model=SyncBucketResponse,
-                openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
+                openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True},
+                               "parameters": [BUCKET_HEADER_PARAMETER]})
     async def sync_bucket(request: Request) -> SyncBucketResponse:
         raw = request.headers.get(BUCKET_HEADER)
         if raw is None:
-            raise ApiError(400, "bad_request", f"missing the {BUCKET_HEADER} header (a JSON SyncBucketHeader)",
-                           field=BUCKET_HEADER)
+            raise await sync.request_failed(None, ApiError(
+                400, "bad_request", f"missing the {BUCKET_HEADER} header (a JSON SyncBucketHeader)",
+                field=BUCKET_HEADER))
         try:
             header = SyncBucketHeader.model_validate_json(raw)
         except ValidationError as exc:
             err = ErrorResponse.from_validation_error(exc)
-            raise ApiError(422, "bad_request", f"{BUCKET_HEADER}: {err.message}",
-                           field=f"{BUCKET_HEADER}.{err.field}" if err.field else BUCKET_HEADER) from None
-        session = sync.check_bucket(header.session)  # 409 before a byte of the body is read
+            raise await sync.request_failed(named_session(raw), ApiError(
+                400 if content_only(exc.errors()) else 422, "bad_request", f"{BUCKET_HEADER}: {err.message}",
+                field=f"{BUCKET_HEADER}.{err.field}" if err.field else BUCKET_HEADER)) from None
+        try:
+            session = sync.check_bucket(header.session)  # 409 before a byte of the body is read
+        except ApiError as exc:
+            raise await sync.request_failed(header.session, exc) from None
         limit, key = limits.max_bucket_mb << 20, f"rollout_server.max_bucket_mb = {limits.max_bucket_mb}"
         hint = "lower rollout_matching.vllm.sync.bucket_mb"
         length = request.headers.get("content-length")
         length = int(length) if length is not None and length.isdigit() else None  # None: chunked
-        if length is not None and length > limit:
-            raise ApiError(413, "bad_request", f"bucket of {length} bytes exceeds {key}", field="body", hint=hint,
-                           headers={"Connection": "close"})
         # A stalled upload counts as idle: no chunk for sync_idle_timeout_s (or body_read_timeout_s, if
         # shorter), or the session's own deadline, ends the read and the session; the fence reopens.
         gap_s = min(limits.body_read_timeout_s, sync.idle_timeout_s)
         with sync.receiving(header.session):
             try:
+                if length is not None and length > limit:
+                    raise ApiError(413, "bad_request", f"bucket of {length} bytes exceeds {key}", field="body",
+                                   hint=hint, headers={"Connection": "close"})
                 body = await read_body(request.receive, limit=limit, limit_key=key, gap_s=gap_s,
                                        deadline=session.deadline, hint=hint,
                                        into=None if length is None else bytearray(length))
             except ApiError as exc:
-                raise await sync.upload_failed(header.session, exc) from None
+                raise await sync.request_failed(header.session, exc) from None
         return await sync.bucket(header, P.from_bytes(body if isinstance(body, bytearray) else bytearray(body)))
 
     @admin.post("/ipc", response_model=SyncBucketResponse)
     async def sync_ipc(req: SyncIpcRequest) -> SyncBucketResponse:
-        if "ipc" not in sync.engine_transports():
-            raise ApiError(400, "bad_request", f"/sync/ipc is not served by the {engine.name} engine",
-                           field="transport", hint="set rollout_matching.vllm.sync.transport: http")
         return await sync.ipc(req)
 
     @admin.post("/update", response_model=SyncBucketResponse)
     async def sync_update(header: SyncBucketHeader) -> SyncBucketResponse:
-        if "nccl" not in sync.engine_transports():
-            raise ApiError(400, "bad_request", f"/sync/update (NCCL) is not served by the {engine.name} engine; "
-                           "send packed buckets to /sync/bucket (or use transport ipc)", field="transport")
         return await sync.update(header)  # pragma: no cover - vLLM engine only
 
     @admin.post("/commit", response_model=SyncCommitResponse)
@@ -337,6 +369,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
     app.include_router(openai_router(engine, generate, require_ready))
     app.include_router(admin)
     app.add_middleware(RequestGuard, limits=limits)  # inside the counter: its 401/408/413s are counted
+    app.add_middleware(UnexpectedErrors)  # inside the counter too: its 500s are counted
     app.add_middleware(RequestCounter, metrics=metrics)
     return app
 

@@ -224,8 +224,11 @@ def check_pixels(items: Sequence[InferItem], limits: Limits) -> None:
             try:
                 n = image_pixels(ref, field)
             except InputError as exc:
-                raise ApiError(exc.status, "bad_request", str(exc) + (f" ({image_key})" if exc.status == 413 else ""),
-                               field=exc.field) from None
+                if exc.status == 413:  # over Pillow's bomb bound: far over ours too, so ours is what we quote
+                    raise ApiError(413, "bad_request", f"image over {image_key} (Pillow reads only its header, "
+                                   f"and refuses it: {exc})", field=exc.field,
+                                   hint="downscale it before sending") from None
+                raise ApiError(exc.status, "bad_request", str(exc), field=exc.field) from None
             if n > per_image:
                 raise ApiError(413, "bad_request", f"image of {n} pixels, over {image_key}", field=field,
                                hint="downscale it before sending")

@@ -84,6 +84,12 @@ class ServerMetrics:
         self.spared.set_function(lambda: fence.spared)
         self.ver.set_function(lambda: fence.ver)
 
+    def observe_cancelled_tokens(self, generated: int) -> None:
+        """Tokens a cancelled batch generated before it stopped: generated all the same (and in the rate)."""
+        self.generated_tokens.inc(generated)
+        with self._window_lock:
+            self._window.append((time.monotonic(), generated))
+
     def observe_batch(self, n_items: int, prompt_tokens: int, generated: int, seconds: float) -> None:
         self.items.inc(n_items)
         self.prompt_tokens.inc(prompt_tokens)

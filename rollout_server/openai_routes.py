@@ -18,27 +18,57 @@ message; every other route answers with ``common.protocol.ErrorResponse``.
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from common.protocol import (MAX_INT32, MAX_SEED, MAX_TOKENS_LIMIT, REPETITION_PENALTY_RANGE, ChatMessage, ChatPart,
-                             InferItem, SamplingParams)
+from common.message_base import Message, content_only, error_location
+from common.protocol import (MAX_INT32, MAX_SEED, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, REPETITION_PENALTY_RANGE, ChatMessage, ChatPart,
+                             InferItem, SamplingParams, StopString, TokenId)
 from rollout_server.engines.base import Engine
 from rollout_server.errors import ApiError
 
+#: What an image part's URL must look like (the payload is checked when the image is read: a 400).
+DATA_URI = r"^data:image/[A-Za-z0-9.+-]+;base64,[A-Za-z0-9+/=]+$"
 CHAT_DEFAULT_MAX_TOKENS = 512
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-class _OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class _OpenAIModel(Message):
+    """OpenAI's bodies: unknown fields are accepted and ignored (as vLLM does); text must be valid Unicode."""
 
+    model_config = ConfigDict(extra="allow")
+
+
+class OpenAIError(BaseModel):
+    """The body of every /v1 error: OpenAI's envelope, so OpenAI clients show the message."""
+
+    class Detail(BaseModel):
+        message: str
+        type: Literal["invalid_request_error", "server_error"]
+        param: str | None = None
+        code: str
+
+    error: Detail
+
+
+#: The errors a /v1 route answers (all in OpenAI's envelope): 400 a request this server does not serve or
+#: content it cannot use, 413 over a size limit, 422 a body that breaks this schema, 500 an engine failure,
+#: 503 not ready or the fence's wait ran out.
+OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIError} for code in (400, 413, 422, 500, 503)}
+
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class _OpenAIRequest(_OpenAIModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -47,7 +77,7 @@ class _OpenAIRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     ignore_eos: bool = False  # vLLM's extra parameter: eos / turn end do not stop (fixed-length benchmarks)
     n: int = 1
     stream: bool = False
@@ -75,13 +105,47 @@ class _OpenAIRequest(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     """``POST /v1/completions`` (OpenAI schema subset)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    """One prompt (text or token ids) or a batch of them; none may be empty."""
+
+
+def _data_uri(url: str) -> str:
+    if not re.match(DATA_URI, url):
+        raise ValueError("images must be data URIs (data:image/<fmt>;base64,...); this server does not download URLs")
+    return url
+
+
+#: An image part's URL: the schema states the pattern; the validator says why in words.
+DataUri = Annotated[str, AfterValidator(_data_uri), WithJsonSchema({"type": "string", "pattern": DATA_URI})]
+
+
+class ImageUrl(_OpenAIModel):
+    url: DataUri
+    """A ``data:image/<fmt>;base64,...`` URI: this server does not download URLs."""
+
+
+class TextContent(_OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageContent(_OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl | DataUri
+
+
+class ChatMessageIn(_OpenAIModel):
+    """One OpenAI chat message: ``developer`` is read as ``system``; tool and function roles are not served."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextContent | ImageContent], Field(min_length=1)]
 
 
 class ChatRequest(_OpenAIRequest):
     """``POST /v1/chat/completions`` (OpenAI schema subset)."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1)
 
 
 def _usage(outputs: list[Any]) -> dict[str, int]:
@@ -90,34 +154,14 @@ def _usage(outputs: list[Any]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _chat_message(i: int, m: dict[str, Any]) -> ChatMessage:
-    role = m.get("role")
-    role = {"developer": "system"}.get(role, role) if isinstance(role, str) else role
-    if role not in ("system", "user", "assistant"):
-        raise ApiError(400, "bad_request", f"role {m.get('role')!r} is not supported (system, user, assistant)",
-                       field=f"messages.{i}.role")
-    content = m.get("content")
-    if isinstance(content, str):
-        return ChatMessage(role=role, content=content)
-    if not isinstance(content, list):
-        raise ApiError(400, "bad_request", "content must be a string or a list of parts", field=f"messages.{i}.content")
-    parts = []
-    for j, p in enumerate(content):
-        where = f"messages.{i}.content.{j}"
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind == "text":
-            parts.append(ChatPart(type="text", text=str(p.get("text", ""))))
-        elif kind == "image_url":
-            url = p.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url.startswith("data:image/"):
-                raise ApiError(400, "bad_request", "images must be data URIs (data:image/<fmt>;base64,...); "
-                               "this server does not download URLs", field=f"{where}.image_url")
-            parts.append(ChatPart(type="image", image=url))
-        else:
-            raise ApiError(400, "bad_request", f"content part type {kind!r} is not supported (text, image_url)",
-                           field=f"{where}.type")
-    return ChatMessage(role=role, content=parts)
+def _chat_message(m: ChatMessageIn) -> ChatMessage:
+    role = "system" if m.role == "developer" else m.role
+    if isinstance(m.content, str):
+        return ChatMessage(role=role, content=m.content)
+    return ChatMessage(role=role, content=[
+        ChatPart(type="text", text=p.text) if isinstance(p, TextContent)
+        else ChatPart(type="image", image=p.image_url.url if isinstance(p.image_url, ImageUrl) else p.image_url)
+        for p in m.content])
 
 
 def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: Callable[[], None]) -> APIRouter:
@@ -142,13 +186,13 @@ def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: C
         try:
             return make()
         except ValidationError as exc:  # our protocol models rejected the translated request
-            problems = [(".".join(map(str, e["loc"])), e["msg"]) for e in exc.errors()]
-            raise ApiError(422, "bad_request", str(exc).splitlines()[0] + ": " + "; ".join(
+            problems = [(".".join(error_location(e)), e["msg"]) for e in exc.errors()]
+            raise ApiError(400 if content_only(exc.errors()) else 422, "bad_request", str(exc).splitlines()[0] + ": " + "; ".join(
                 f"{loc}: {msg}" for loc, msg in problems), field=problems[0][0] if problems else None) from None
 
     # The /v1 handlers answer JSONResponse: one json.dumps, where a returned dict is validated against its
     # annotation first (and, before FastAPI 0.130, converted to JSON-able objects before the dumps).
-    @router.post("/completions")
+    @router.post("/completions", responses=OPENAI_ERRORS)
     async def completions(req: CompletionRequest, request: Request) -> JSONResponse:
         sampling = wrap(lambda: req.sampling(COMPLETION_DEFAULT_MAX_TOKENS))
         prompts = req.prompt
@@ -157,8 +201,9 @@ def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: C
         if not prompts:
             raise ApiError(400, "bad_request", "prompt is empty", field="prompt")
         require_ready()  # text prompts are tokenized here, by the engine's tokenizer
-        items = wrap(lambda: [InferItem(prompt_token_ids=p if isinstance(p, list) else engine.encode_text(p))
-                              for p in prompts])
+        # Tokenizing is CPU work (a 64 MB prompt: seconds): on a thread, so the event loop keeps serving.
+        encoded = await asyncio.to_thread(lambda: [p if isinstance(p, list) else engine.encode_text(p) for p in prompts])
+        items = wrap(lambda: [InferItem(prompt_token_ids=ids) for ids in encoded])
         ver, outputs = await complete(request, items, sampling, "prompt")
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion",
                              "created": int(time.time()), "model": model_id(), "system_fingerprint": f"ver-{ver}",
@@ -166,10 +211,10 @@ def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: C
                                           "logprobs": None} for i, o in enumerate(outputs)],
                              "usage": _usage(outputs)})
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", responses=OPENAI_ERRORS)
     async def chat(req: ChatRequest, request: Request) -> JSONResponse:
         sampling = wrap(lambda: req.sampling(CHAT_DEFAULT_MAX_TOKENS))
-        messages = wrap(lambda: [_chat_message(i, m) for i, m in enumerate(req.messages)])
+        messages = wrap(lambda: [_chat_message(m) for m in req.messages])
         item = wrap(lambda: InferItem(messages=messages))
         ver, outputs = await complete(request, [item], sampling, "messages")
         o = outputs[0]

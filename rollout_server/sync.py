@@ -97,15 +97,51 @@ class SyncController:
 
     @contextlib.asynccontextmanager
     async def _op(self, session_id: str, *allowed: SyncState):
+        """Run one /sync call on the open session ``session_id`` under the lock; whatever fails inside
+        (a wrong state, a bad bucket, an engine error) goes through :meth:`_request_failed`."""
         async with self._lock:
-            s = self._open_session(session_id, allowed)
+            try:
+                s = self._open_session(session_id, allowed)
+            except ApiError as exc:
+                raise await self._request_failed(session_id, exc) from None
             s.busy += 1
             s.last_activity = time.monotonic()
             try:
                 yield s
+            except ApiError as exc:
+                raise await self._request_failed(session_id, exc) from None
+            except Exception as exc:  # noqa: BLE001 - an engine failure ends the session like any other
+                log.exception("sync %s: a /sync call failed", session_id)
+                raise await self._request_failed(session_id, ApiError(
+                    500, "engine_error", f"{type(exc).__name__}: {exc}")) from None
             finally:
                 s.busy -= 1
                 s.last_activity = time.monotonic()
+
+    # ------------------------------------------------------------------ the failure rule
+
+    async def request_failed(self, session_id: str | None, exc: ApiError) -> ApiError:
+        """THE rule for a /sync/* request that fails -- request validation (422), transport (408, 413,
+        a dropped upload) or semantics (409, 4xx from the engine, 5xx): see :meth:`_request_failed`.
+        Routes call it for failures found before the controller runs (app.py: validation errors);
+        :meth:`_op` for everything after."""
+        async with self._lock:
+            return await self._request_failed(session_id, exc)
+
+    async def _request_failed(self, session_id: str | None, exc: ApiError) -> ApiError:
+        """Lock held. A failed request that names the open session ends it: staged weights dropped, old
+        weights and ver kept, admission reopened; the error's message says so. Only its holder knows a
+        session's id (a random token), so a request naming it is the holder's own. A request that names
+        no session or another one leaves the open session alone (a stray client must not cost the
+        holder its sync), and a 401 never ends one (the caller did not prove who it is); the message
+        says that nothing was ended when a session is open and the request named none."""
+        s = self.session
+        if s is None or exc.status == 401 or session_id != s.id:
+            if s is not None and session_id is None:
+                exc.body.message += " -- no sync session was ended: this request names none"
+            return exc
+        reason = f"{exc.status} {exc.body.error}" + (f" on {exc.body.field}" if exc.body.field else "")
+        return await self._fail(exc, reason, "stalled" if exc.status == 408 else "failed")
 
     def check_bucket(self, session_id: str) -> Session:
         """The open, fenced session a bucket names, checked before its body is read: 409 otherwise
@@ -126,20 +162,11 @@ class SyncController:
                            f"(allowed: {', '.join(a.value for a in allowed)})")
         return s
 
-    async def upload_failed(self, session_id: str, exc: ApiError) -> ApiError:
-        """A bucket body that stalled (408), overflowed (413) or was dropped: the session ends at once
-        (old weights kept, fence reopened) instead of holding admission until a timeout."""
-        async with self._lock:
-            if self.session is not None and self.session.id == session_id:
-                reason = {408: "upload stalled", 413: "bucket over the size cap"}.get(exc.status, "upload dropped")
-                return await self._fail(exc, reason, "stalled" if exc.status == 408 else "failed")
-        return exc
-
     @contextlib.contextmanager
     def receiving(self, session_id: str):
         """Mark the session busy while a bucket body is still arriving. The body is read under a gap
         deadline of at most ``idle_timeout_s`` and the session's deadline (app.py), so a stalled
-        upload ends the session through :meth:`upload_failed` as an idle one would."""
+        upload ends the session through :meth:`request_failed` as an idle one would."""
         s = self.session
         if s is None or s.id != session_id:
             yield
@@ -227,9 +254,8 @@ class SyncController:
             try:
                 await self.fence.wait_quiet(req.timeout_s)
             except TimeoutError:
-                raise await self._fail(ApiError(504, "sync_timeout", f"{self.fence.inflight} /infer batch(es) still "
-                                                f"running after {req.timeout_s:.0f}s of drain"),
-                                       "drain timeout") from None
+                raise ApiError(504, "sync_timeout", f"{self.fence.inflight} /infer batch(es) still "
+                               f"running after {req.timeout_s:.0f}s of drain") from None
             await self.engine.pause()
             s.fence_done = time.monotonic()
             s.fence_s = s.fence_done - t0
@@ -248,19 +274,20 @@ class SyncController:
             try:
                 tensors = P.unpack(body, header.names, header.dtypes, header.shapes, header.offsets)
             except ValueError as exc:
-                raise await self._fail(ApiError(400, "bad_request", f"bucket {header.index}: {exc}", field="body"),
-                                       "malformed bucket") from None
+                raise ApiError(400, "bad_request", f"bucket {header.index}: {exc}", field="body") from None
             try:
                 nbytes = await self.engine.stage_bucket(tensors)
             except WeightUpdateError as exc:
-                raise await self._fail(ApiError(400, "bad_request", f"bucket {header.index}: {exc}",
-                                                field=f"names.{exc.field}" if exc.field else "names"),
-                                       "bucket does not match the manifest") from None
+                raise ApiError(400, "bad_request", f"bucket {header.index}: {exc}",
+                               field=f"names.{exc.field}" if exc.field else "names") from None
             return self._staged(s, header, len(tensors), nbytes, t0)
 
     async def ipc(self, req: SyncIpcRequest) -> SyncBucketResponse:
         """One ``ipc`` bucket: the engine copies it out of the learner's shared buffer before this returns."""
         async with self._op(req.session, SyncState.FENCED) as s:
+            if "ipc" not in self.engine_transports():
+                raise ApiError(400, "bad_request", f"/sync/ipc is not served by the {self.engine.name} engine",
+                               field="transport", hint="set rollout_matching.vllm.sync.transport: http")
             if s.transport != "ipc":
                 raise ApiError(409, "sync_state", f"this session was opened with transport {s.transport}: /sync/ipc "
                                "serves sessions opened with transport ipc", field="transport")
@@ -271,23 +298,21 @@ class SyncController:
             try:
                 nbytes = await asyncio.wait_for(self.engine.receive_ipc(req), timeout=max(1.0, s.deadline - t0))
             except TimeoutError:
-                raise await self._fail(ApiError(504, "sync_timeout", f"ipc bucket {req.index} not loaded before the "
-                                                "session deadline"), "ipc load timeout") from None
+                raise ApiError(504, "sync_timeout", f"ipc bucket {req.index} not loaded before the "
+                               "session deadline") from None
             except (ValueError, WeightUpdateError) as exc:
                 field = ("source" if not isinstance(exc, WeightUpdateError)  # WeightUpdateError is a ValueError too
                          else f"names.{exc.field}" if exc.field else "names")
-                raise await self._fail(ApiError(400, "bad_request", f"ipc bucket {req.index}: {exc}", field=field),
-                                       "ipc bucket refused") from None
+                raise ApiError(400, "bad_request", f"ipc bucket {req.index}: {exc}", field=field) from None
             except Exception as exc:  # noqa: BLE001 - any failure ends the session, old weights kept
-                raise await self._fail(ApiError(500, "engine_error", f"ipc bucket {req.index}: {type(exc).__name__}: "
-                                                f"{exc}"), "ipc load failed") from None
+                raise ApiError(500, "engine_error", f"ipc bucket {req.index}: {type(exc).__name__}: "
+                               f"{exc}") from None
             return self._staged(s, req, len(req.names), nbytes, t0, load=self.engine.last_update_info)
 
     async def _check_index(self, s: Session, header: SyncBucketHeader) -> None:
         if header.index != s.next_index:
-            raise await self._fail(ApiError(409, "sync_state", f"bucket index {header.index}, expected {s.next_index} "
-                                            "(buckets are numbered from 0, in order)", field="index"),
-                                   "bucket out of order")
+            raise ApiError(409, "sync_state", f"bucket index {header.index}, expected {s.next_index} "
+                           "(buckets are numbered from 0, in order)", field="index")
 
     def _staged(self, s: Session, header: SyncBucketHeader, n_tensors: int, nbytes: int, t0: float,
                 load: dict | None = None) -> SyncBucketResponse:
@@ -301,6 +326,9 @@ class SyncController:
     async def update(self, header: SyncBucketHeader) -> SyncBucketResponse:
         """One NCCL bucket: the engine receives what the learner broadcasts (``/sync/update``)."""
         async with self._op(header.session, SyncState.FENCED) as s:
+            if "nccl" not in self.engine_transports():
+                raise ApiError(400, "bad_request", f"/sync/update (NCCL) is not served by the {self.engine.name} "
+                               "engine; send packed buckets to /sync/bucket (or use transport ipc)", field="transport")
             if s.transport != "nccl":
                 raise ApiError(409, "sync_state", "this session was opened with transport http: send /sync/bucket",
                                field="transport")
@@ -322,30 +350,29 @@ class SyncController:
                 log.error("sync %s: %s", s.id, self.error)
                 raise ApiError(504, "sync_timeout", self.error) from None
             except WeightUpdateError as exc:
-                raise await self._fail(ApiError(400, "bad_request", f"NCCL update {header.index}: {exc}",
-                                                field=f"names.{exc.field}" if exc.field else "names"),
-                                       "update does not match the manifest") from None
+                raise ApiError(400, "bad_request", f"NCCL update {header.index}: {exc}",
+                               field=f"names.{exc.field}" if exc.field else "names") from None
             except Exception as exc:  # noqa: BLE001 - any failure ends the session, old weights kept
-                raise await self._fail(ApiError(500, "engine_error", f"NCCL update {header.index}: "
-                                                f"{type(exc).__name__}: {exc}"), "nccl update failed") from None
+                raise ApiError(500, "engine_error", f"NCCL update {header.index}: "
+                               f"{type(exc).__name__}: {exc}") from None
             return self._staged(s, header, len(header.names), nbytes, t0, load=self.engine.last_update_info)
 
     async def commit(self, req: SyncCommitRequest) -> SyncCommitResponse:
         async with self._op(req.session, SyncState.FENCED) as s:
             if req.n_buckets != s.next_index:
-                raise await self._fail(ApiError(409, "sync_state", f"commit says {req.n_buckets} bucket(s), the server "
-                                                f"staged {s.next_index}", field="n_buckets"), "bucket count mismatch")
+                raise ApiError(409, "sync_state", f"commit says {req.n_buckets} bucket(s), the server "
+                               f"staged {s.next_index}", field="n_buckets")
             if req.min_ver is not None and req.min_ver > self.fence.ver + MAX_VER_JUMP:
-                raise await self._fail(ApiError(422, "bad_request", f"min_ver {req.min_ver} is more than {MAX_VER_JUMP} "
-                                                f"above the server's ver {self.fence.ver}: ver never comes back down, "
-                                                "so a wrong min_ver would stick for good", field="min_ver",
-                                                hint="send the learner's own ver + 1"), "min_ver out of range")
+                raise ApiError(400, "bad_request", f"min_ver {req.min_ver} is more than {MAX_VER_JUMP} "
+                               f"above the server's ver {self.fence.ver}: ver never comes back down, "
+                               "so a wrong min_ver would stick for good", field="min_ver",
+                               hint="send the learner's own ver + 1")
             self.state = SyncState.COMMITTING
             t0 = time.monotonic()
             try:
                 caches_reset = await self.engine.commit(req.fingerprint)
             except WeightUpdateError as exc:
-                raise await self._fail(ApiError(400, "bad_request", str(exc), field=exc.field), "commit refused") from None
+                raise ApiError(400, "bad_request", str(exc), field=exc.field) from None
             if not caches_reset:  # pragma: no cover - vLLM only
                 self.error = "cache reset failed after a weight update; restart the server"
                 self.session, self.state = None, SyncState.IDLE

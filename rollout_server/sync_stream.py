@@ -94,7 +94,7 @@ class BucketStream(asyncio.BufferedProtocol):
             self.on_close(exc)
         if self.body is not None and self.header is not None:  # dropped mid-bucket: the session ends now
             self._receiving(False)
-            asyncio.get_running_loop().create_task(self.sync.upload_failed(
+            asyncio.get_running_loop().create_task(self.sync.request_failed(
                 self.header.session, ApiError(499, "client_closed", "the stream closed mid-bucket")))
 
     # ---------------------------------------------------------------- frames
@@ -119,13 +119,14 @@ class BucketStream(asyncio.BufferedProtocol):
         try:
             session = self.sync.check_bucket(header.session)
         except ApiError as exc:
-            return self._refuse(exc)
-        if not hmac.compare_digest(token, session.data_token or ""):
+            return self._refuse_in_session(header.session, exc)
+        if not hmac.compare_digest(token, session.data_token or ""):  # not proven the holder: its session stays
             return self._refuse(ApiError(401, "unauthorized", "wrong data token for this sync session"))
         nbytes = header.offsets[-1][1] if header.offsets else 0
         if nbytes > self.max_bytes:
-            return self._refuse(ApiError(413, "bad_request", f"bucket of {nbytes} bytes exceeds "
-                                         f"rollout_server.max_bucket_mb", hint="lower rollout_matching.vllm.sync.bucket_mb"))
+            return self._refuse_in_session(header.session, ApiError(
+                413, "bad_request", f"bucket of {nbytes} bytes exceeds rollout_server.max_bucket_mb",
+                hint="lower rollout_matching.vllm.sync.bucket_mb"))
         # torch.empty, not bytearray(n): no zero-fill pass over a buffer the socket is about to fill
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.header, self.body, self.pos = header, memoryview(self.tensor.numpy()) if nbytes else memoryview(b""), 0
@@ -136,7 +137,7 @@ class BucketStream(asyncio.BufferedProtocol):
             self.body[:len(take)] = take
             self.pos = len(take)
             if len(rest) > nbytes:
-                return self._refuse(ApiError(400, "bad_request", "bytes after a bucket before its reply"))
+                return self._refuse_in_session(header.session, ApiError(400, "bad_request", "bytes after a bucket before its reply"))
         if self.pos == nbytes:
             self._complete()
 
@@ -169,6 +170,16 @@ class BucketStream(asyncio.BufferedProtocol):
             self.transport.write(frame({"status": 200, "body": resp.model_dump(mode="json")}))
             self.transport.resume_reading()
 
+    def _refuse_in_session(self, session_id: str, exc: ApiError) -> None:
+        """Refuse a bucket its session's holder sent: the failure rule of /sync/* decides whether the
+        session ends (``SyncController.request_failed``), then the error frame goes out."""
+        self.transport.pause_reading()
+
+        async def decide() -> None:
+            self._refuse(await self.sync.request_failed(session_id, exc))
+
+        asyncio.get_running_loop().create_task(decide())
+
     def _refuse(self, exc: ApiError) -> None:
         """The error frame, then the connection closes (logged: a refused stream is not counted as an HTTP request)."""
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
@@ -189,7 +200,7 @@ class BucketStream(asyncio.BufferedProtocol):
             if now - self.last > gap or now > self.deadline:
                 why = f"nothing for {gap:g}s" if now - self.last > gap else "the session's deadline passed"
                 self._receiving(False)
-                exc = await self.sync.upload_failed(self.header.session, ApiError(
+                exc = await self.sync.request_failed(self.header.session, ApiError(
                     408, "request_timeout", f"the bucket stopped arriving after {self.pos} bytes ({why})"))
                 self._refuse(exc)
 

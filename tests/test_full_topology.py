@@ -1,6 +1,7 @@
 """The whole topology, as `make demo` runs it but shorter: launcher → rollout server (hf engine),
 two actors, `torchrun --nproc_per_node=2` learner on gloo. Asserts invariants from the run's own
-metrics, then that every process exited 0 and none is left behind."""
+metrics, then that every process exited 0 and none is left behind. Mid-run, a second sync client sends
+a malformed commit (issue 29): the run's later syncs commit and its B steps go on."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -43,6 +47,37 @@ def _config(tmp_path: Path, model_dir: Path, data_dir: Path) -> tuple[Path, dict
     return path, cfg
 
 
+class SecondSyncClient(threading.Thread):
+    """Once the run has committed two syncs, a second client opens a session, closes the fence, and sends
+    a commit that fails validation (``n_buckets: "x"``); ``result`` holds the answer and the ver then."""
+
+    def __init__(self, url: str, deadline_s: float = DEADLINE_S) -> None:
+        super().__init__(daemon=True)
+        self.url, self.deadline, self.result = url, time.monotonic() + deadline_s, {}
+
+    def run(self) -> None:
+        from learner.sync import SyncError
+        from learner.sync.http import HttpWeightSender
+
+        while time.monotonic() < self.deadline:
+            time.sleep(0.2)
+            try:
+                if httpx.get(self.url + "/health", timeout=5).json()["ver"] < 2:
+                    continue
+                session = HttpWeightSender(self.url, client_id="intruder", timeout_s=60).open()
+            except (httpx.HTTPError, SyncError, KeyError, ValueError):
+                continue  # not up yet, or the learner holds the session: try again
+            try:
+                session.begin("abort")
+            except SyncError:
+                session.abort("begin failed")
+                continue
+            r = httpx.post(self.url + "/sync/commit", json={"session": session.id, "n_buckets": "x"}, timeout=30)
+            self.result = {"status": r.status_code, "message": r.json().get("message", r.text),
+                           "ver": httpx.get(self.url + "/health", timeout=5).json()["ver"]}
+            return
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -58,6 +93,8 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
     run = Path(cfg["training"]["output_dir"])
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "--config", str(path)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    intruder = SecondSyncClient(f"http://127.0.0.1:{cfg['rollout_server']['port']}")
+    intruder.start()
     try:
         out, _ = proc.communicate(timeout=DEADLINE_S)
     except subprocess.TimeoutExpired:
@@ -121,6 +158,15 @@ def test_full_topology_trains_b_steps_within_the_window_and_exits_cleanly(tmp_pa
             continue
         last = json.loads(actor_file.read_text().splitlines()[-1])
         assert last["actor/conservation_ok"] == 1, actor_file.name
+
+    # A second sync client's commit that failed validation mid-run ended its own session at once (issue 29):
+    # the learner's syncs after it committed, and B steps trained on the weights they pushed.
+    intruder.join(timeout=30)
+    assert intruder.result.get("status") == 422 and "sync session aborted" in intruder.result["message"], \
+        (intruder.result, out[-3000:])
+    v0 = intruder.result["ver"]
+    assert recs[-1][K + "ver_current"] >= v0 + 2, (v0, recs[-1][K + "ver_current"])
+    assert any(r[K + "ver_current"] > v0 for r in b_recs), f"no B step after the intrusion at ver {v0}"
 
     assert "tandem run summary" in out and (run / "run.png").exists()
     # The summary's final ver is the final checkpoint's (the server's), one commit per ver from 0.

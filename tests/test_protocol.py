@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -502,3 +503,32 @@ def test_credits_with_one_field_fuzzed_never_raise_anything_but_protocol_error(k
         P.decode_credits(credits_with(**{key: value}))
     except P.ProtocolError:
         pass
+
+
+CREDIT_KEYS = ("schema", "rank", "ver_current", "depth", "target", "version_window", "received_total", "ts",
+               "actors", "done", "actors.a-0", "actors.a-0.0")
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.sampled_from(CREDIT_KEYS), value=msgpack_values)
+def test_valid_credits_with_one_field_fuzzed_decode_to_checked_values_or_raise_protocol_error(key, value):
+    """The back-channel's decoder, like the pack's: any one field replaced by any msgpack value either
+    decodes to a Credits whose fields hold what the contract says, or raises ProtocolError only."""
+    message = msgpack.unpackb(P.encode_credits(rank=1, ver_current=3, depth=2, target=4, version_window=1,
+                                               received_total=9, actors={"a-0": (5, 1)}, ts=1.0))
+    parts = key.split(".")
+    target = message
+    for part in parts[:-1]:
+        target = target[part]
+    if isinstance(target, list):
+        target[int(parts[-1])] = value
+    else:
+        target[parts[-1]] = value
+    try:
+        credits = P.decode_credits(msgpack.packb(message))
+    except P.ProtocolError:
+        return
+    for name in ("rank", "ver_current", "depth", "target", "version_window", "received_total"):
+        assert type(getattr(credits, name)) is int and getattr(credits, name) >= 0
+    assert math.isfinite(credits.ts)
+    assert all(type(q) is int and q >= 0 for entry in credits.actors.values() for q in entry)

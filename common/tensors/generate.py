@@ -211,7 +211,10 @@ class HFGenerator:
                     f"{self.max_positions} positions (item {i})", "sampling.max_tokens")
         outputs: list[InferOutput] = []
         for start in range(0, len(rows), self.max_batch):
-            outputs += self._generate_batch(rows[start:start + self.max_batch], sampling, cancel)
+            try:
+                outputs += self._generate_batch(rows[start:start + self.max_batch], sampling, cancel)
+            except CancelledGeneration as exc:  # the chunks already done were generated too
+                raise CancelledGeneration(exc.tokens + sum(len(o.token_ids) for o in outputs)) from None
         if ids is not None:
             outputs = [o.model_copy(update={"id": i}) for o, i in zip(outputs, ids)]
         return outputs
@@ -261,9 +264,9 @@ class HFGenerator:
         finally:
             self.model.generation_config = saved
         if cancel is not None and cancel.is_set():
-            # The stopping criterion ended generate at the first token after the flag was set; args[0]
-            # says how many steps ran (the server logs it: a cancelled generation stops early).
-            raise CancelledGeneration(seqs.shape[1] - width)
+            # The stopping criterion ended generate at the first token after the flag was set: count what
+            # the rows generated until then (rows that finished earlier are padded after their end).
+            raise CancelledGeneration(int((seqs[:, width:] != self.pad_id).sum()))
         new = seqs[:, width:].tolist()
         logprobs = sampler.sampled_logprobs()  # one per step and row, or None
         if logprobs is not None and len(logprobs[0]) != len(new[0]):

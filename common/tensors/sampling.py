@@ -38,7 +38,14 @@ _SEED_SOURCE = random.SystemRandom()
 
 
 class CancelledGeneration(Exception):
-    """The generation was stopped by its cancel flag (a fence in abort mode, or a disconnect)."""
+    """The generation was stopped by its cancel flag (a fence in abort mode, or a disconnect).
+
+    ``tokens``: what was generated before it stopped, over every row (work done and thrown away; the
+    server still counts it in ``rollout_generated_tokens_total``)."""
+
+    def __init__(self, tokens: int = 0) -> None:
+        super().__init__(tokens)
+        self.tokens = tokens
 
 
 class VLLMSampler:

@@ -23,7 +23,7 @@ What an engine does not know: HTTP, versions, sessions, authentication. Those li
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from common.images import InputError
@@ -58,6 +58,24 @@ def check_token_budget(prompt_lens: Sequence[int], max_tokens: int, budget: int 
             f"each), over rollout_server.max_request_tokens = {budget}", "sampling.max_tokens", 413)
 
 
+def check_prompt_lengths(items: Sequence[Any], max_tokens: int, max_model_len: int | None,
+                         budget: int | None) -> None:
+    """The length checks that need no tokenizer, run before a request takes an admission ticket or an
+    engine thread: a token-id prompt that cannot fit the model's context with ``max_tokens`` (400 naming
+    the item), and token-id prompts that alone are over ``budget`` (413, as :func:`check_token_budget`).
+    So a 1 M-id prompt is refused in microseconds instead of after the engine encoded it while every
+    other request waited. Chat prompts are measured once tokenized, by the engine."""
+    lens = [len(it.prompt_token_ids) for it in items if it.prompt_token_ids is not None]
+    if max_model_len is not None:
+        for i, it in enumerate(items):
+            n = len(it.prompt_token_ids) if it.prompt_token_ids is not None else 0
+            if n + max_tokens > max_model_len:
+                raise EngineInputError(
+                    f"prompt of {n} tokens + max_tokens {max_tokens} exceeds the model's {max_model_len} positions "
+                    f"(item {i})", f"items.{i}.prompt_token_ids")
+    check_token_budget(lens, max_tokens, budget)
+
+
 class EngineUnavailable(RuntimeError):
     """The selected engine cannot run here (e.g. vLLM not installed); the message names the fix."""
 
@@ -69,6 +87,11 @@ class Engine(abc.ABC):
     name: str = "engine"
     #: ``rollout_server.max_request_tokens``: prompt + max_tokens over one generate call; None = none.
     max_request_tokens: int | None = None
+    #: Positions one sequence (prompt + generation) may use, known once started; None = unknown.
+    max_model_len: int | None = None
+    #: Called with the tokens a cancelled generation had produced (the server counts them as generated);
+    #: set by the app. An engine that cannot see a cancelled request's partial output (vLLM) does not call it.
+    on_cancelled_tokens: Callable[[int], None] | None = None
 
     def __init__(self, model_path: str) -> None:
         self.model_path = model_path

@@ -76,6 +76,7 @@ class HFEngine(Engine):
 
         threading.Thread(target=load, name="hf-load", daemon=True).start()
         self.gen = await done
+        self.max_model_len = self.gen.max_positions
         self._set_manifest(*W.manifest_of(self.gen.model))
         self._params = {W.hf_name(n): p for n, p in self.gen.model.named_parameters()}
         log.info("hf engine ready: %s on %s, %s, %d tensors, fingerprint %s",
@@ -122,8 +123,10 @@ class HFEngine(Engine):
             try:
                 await fut
             except CancelledGeneration as exc:
-                log.info("generation of %d item(s) cancelled after %s of %d tokens", len(items),
-                         exc.args[0] if exc.args else "?", sampling.max_tokens)
+                log.info("generation of %d item(s) cancelled after %d generated token(s) (max_tokens %d)",
+                         len(items), exc.tokens, sampling.max_tokens)
+                if self.on_cancelled_tokens is not None:
+                    self.on_cancelled_tokens(exc.tokens)
             except BaseException:  # noqa: BLE001 - a late error; we are cancelled anyway
                 pass
             raise
