@@ -11,8 +11,11 @@
     GET  /metrics                Prometheus text (rollout_server.metrics)
     /v1/models, /v1/completions, /v1/chat/completions   OpenAI subset (rollout_server.openai_routes)
 
-Every error is an ``ErrorResponse``: validation problems are 4xx naming the dotted field; only an
-engine failure on a valid request is a 500. The trust boundary runs before any route
+Every error is an ``ErrorResponse``: a body that breaks the published schema is a 422 naming the dotted
+field, one that fits it but breaks a rule JSON Schema cannot state a 400; only an engine failure on a
+valid request is a 500 (answered by ``errors.UnexpectedErrors``, so the connection stays open). A failed
+``/sync/*`` request goes through the one failure rule, ``SyncController.request_failed``: when it names
+the open session, the session ends and the fence reopens. The trust boundary runs before any route
 (``rollout_server/guard.py``): ``/sync/*`` need ``Authorization: Bearer <token>`` when
 ``rollout_server.auth_token`` is set (checked before a byte of the body is read), every body is read
 under a size cap and a read deadline, a request's images under a pixel budget, and a client that

@@ -22,7 +22,7 @@ from tests.server_proc import rollout_server_process
 pytestmark = pytest.mark.slow
 
 CONFIG = Path(__file__).parent / "fuzz" / "schemathesis.toml"
-MAX_EXAMPLES = 15
+MAX_EXAMPLES = 10
 SEED = 29
 REQUEST_TIMEOUT_S = 20
 RUN_DEADLINE_S = 240  # ~15 s on the 2-core CI box; a hang shows as this timeout, quoted with the server log

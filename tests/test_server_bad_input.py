@@ -92,7 +92,7 @@ BAD_INFER = [
     pytest.param({"items": [{"messages": [{"role": "user", "content": [{"type": "image"}]}]}],
                   "sampling": GOOD["sampling"]}, 400, "items.0", "image parts", id="image-slot-without-image"),
     pytest.param({"items": [{"prompt_token_ids": [1], "images": ["data:text/plain;base64,aGk="]}],
-                  "sampling": GOOD["sampling"]}, 422, "items.0.images", "data URI", id="non-image-data-uri"),
+                  "sampling": GOOD["sampling"]}, 400, "items.0.images", "data URI", id="non-image-data-uri"),  # fits the schema
     pytest.param({"items": [{"messages": [{"role": "user", "content": [{"type": "image"}]}],
                              "images": ["/nonexistent/picture.png"]}], "sampling": GOOD["sampling"]},
                  400, "items.0.images.0", "not found", id="missing-image-file"),
