@@ -21,9 +21,9 @@ import uvicorn
 from common.protocol import ErrorResponse
 from learner.sync.http import HttpWeightSender
 from rollout_server.app import build_app
-from rollout_server.engines.base import Engine
 from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process
+from tests.stub_engine import StubEngine
 
 pytestmark = pytest.mark.slow
 
@@ -242,20 +242,9 @@ def test_the_openapi_schema_states_the_limits_the_server_enforces(http):
 # ---------------------------------------------------------------------------------------------
 
 
-class _FailingEngine(Engine):
-    name = "failing"
-
-    async def start(self): ...
-    async def stop(self): ...
-    async def generate(self, items, sampling): raise RuntimeError("the engine broke")
-    def encode_text(self, prompt): return [1]
-    def manifest(self): return []
-    def tied_groups(self): return []
-    def serving_dtype(self): return "float32"
-    async def stage_bucket(self, tensors): return 0
-    async def commit(self, expected_fingerprint=None): return True
-    async def discard(self): ...
-    def fingerprint(self): return "0" * 16
+class _FailingEngine(StubEngine):
+    async def generate(self, items, sampling):
+        raise RuntimeError("the engine broke")
 
 
 def test_an_engine_failure_is_a_500_body_and_the_connection_stays_open():

@@ -17,10 +17,10 @@ from fastapi.testclient import TestClient
 from common.protocol import ErrorResponse, SyncDigestResponse
 from common.tensors import weights as W
 from rollout_server.app import build_app
-from rollout_server.engines.base import Engine
 from learner.sync import cast_stream, plan
 from learner.sync.http import HttpWeightSender
 from tests.server_proc import rollout_server_process
+from tests.stub_engine import StubEngine
 
 TOKEN = "digest-token"
 DTYPES = [torch.bfloat16, torch.float32, torch.uint8]
@@ -133,26 +133,10 @@ def test_scalars_and_empty_tensors_digest_and_bad_chunk_sizes_are_refused():
 # ---------------------------------------------------------------------------------------------
 
 
-class _NoDigestEngine(Engine):
-    name = "stub"
-
-    async def start(self): ...
-    async def stop(self): ...
-    async def generate(self, items, sampling): return []
-    def encode_text(self, prompt): return []
-    def manifest(self): return []
-    def tied_groups(self): return []
-    def serving_dtype(self): return "float32"
-    async def stage_bucket(self, tensors): return 0
-    async def commit(self, expected_fingerprint=None): return True
-    async def discard(self): ...
-    def fingerprint(self): return "0" * 16
-
-
 def test_an_engine_without_a_digest_answers_501_naming_it():
     cfg = SimpleNamespace(sync_idle_timeout_s=30.0, auth_token=None, max_batch_items=4, admission_timeout_s=5.0,
                           max_bucket_mb=16)
-    with TestClient(build_app(_NoDigestEngine("m"), cfg, engine_started=True)) as client:
+    with TestClient(build_app(StubEngine("m"), cfg, engine_started=True)) as client:
         r = client.get("/sync/digest")
     assert r.status_code == 501, r.text
     err = ErrorResponse.model_validate_json(r.content)
