@@ -51,6 +51,7 @@ bench: $(STAMP) data tiny-model
 	$(PYTHON) bench/bench_rollout_server.py
 	$(PYTHON) bench/bench_actor.py
 	$(PYTHON) bench/bench_packing.py
+	$(PYTHON) bench/bench_pack_bytes.py
 	$(PYTHON) bench/bench_learner.py
 	$(PYTHON) bench/bench_sync_modes.py
 	$(PYTHON) bench/bench_soak.py --duration-s 180

@@ -63,6 +63,7 @@ from actor.learner_link import LearnerLink
 from actor.pipeline import BatchMetrics, Pipeline, Sample
 from actor.stream import SampleStream
 from common.checkpoints import read_b_ledger, resolve_resume_checkpoint
+from common.dataset.check import BadRecords
 from common.packing import Packer
 from common.segment import Pack, Segment
 from common.transport import CreditSubscriber, PackSender
@@ -106,6 +107,7 @@ class ActorLoop:
         self.metrics_path = out / f"actor_rank{rank}_{index}.jsonl"
         self._metrics_f = self.metrics_path.open("a", encoding="utf-8")
         self.c = collections.Counter()  # cumulative actor/* counters
+        self.bad_records = BadRecords(cfg.data.on_bad_record, str(self.stream.path))
         self.link = LearnerLink(cfg, rank, index, self.actor_id, self.gate, self.c,
                                 ledger_path=out / f"actor_rank{rank}_{index}.ledger.jsonl", log_record=self._log,
                                 config_path=self.config_path, sender=sender, subscriber=subscriber)
@@ -227,7 +229,7 @@ class ActorLoop:
                 out.append(self.pipeline.sample(item.key, item.record, where=f"{self.stream.path.name}:{item.line + 1}"))
             except (ValueError, OSError) as exc:
                 self.c["bad_records"] += 1
-                log.error("%s: record %s skipped: %s", self.actor_id, item.key, exc)
+                self.bad_records.handle(exc)  # data.on_bad_record: fail raises (the actor exits naming the record)
         return out
 
     def _rollout(self, samples: list[Sample], min_ver: int | None) -> tuple[list[Any], float]:

@@ -120,7 +120,7 @@ class Pipeline:
 
     def sample(self, key: str, raw: dict[str, Any], *, where: str | None = None) -> Sample:
         """A :class:`Sample` from a raw JSONL record (validated; image paths resolved by the encoder)."""
-        record = load_record(raw, where=where or key)
+        record = load_record(raw, where=where or key, coord_mode=self.cfg.data.coord_mode)
         return Sample(key=key, record=record, image_paths=self.encoder.image_paths(record))
 
     def sampling(self, keys: Sequence[str]) -> SamplingParams:
@@ -178,7 +178,7 @@ class Pipeline:
         t0 = time.perf_counter()
         parse = parse_rollout(rollout.token_ids, self.tokenizer, coord_ids=self.coord_ids)
         t1 = time.perf_counter()
-        gt = canonical_order(sample.record.objects)  # FN are appended in this order (design section 3)
+        gt = canonical_order(sample.record.objects)  # FN are appended in this order (common/targets.py)
         pred_boxes = np.array([o.bins for o in parse.valid_objects], dtype=np.float64).reshape(-1, 4)
         gt_boxes = np.array([o.bins for o in gt], dtype=np.float64).reshape(-1, 4)
         m = self.matching

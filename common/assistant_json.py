@@ -1,4 +1,4 @@
-"""The data contract of design section 2: JSONL records, quantisation, and the assistant JSON line.
+"""The data contract (docs/data.md): JSONL records, quantisation, and the assistant JSON line.
 
 A record on disk::
 
@@ -12,11 +12,13 @@ and the model is trained to answer with one line::
 
 followed by the chat template's turn-end token. ``{}`` means no objects.
 
-Coordinate modes (``coord_mode`` in the record, else the caller's ``default_coord_mode``, else
-``"pixel"``): ``"pixel"`` values are numbers in ``[0, width]`` x ``[0, height]`` (pixel-edge
+Coordinate modes: ``"pixel"`` values are numbers in ``[0, width]`` x ``[0, height]`` (pixel-edge
 coordinates, so a box covering the whole image is ``[0, 0, W, H]``), divided by W/H then quantised;
-``"norm1000"`` values are already bins: ints 0..999 or ``"<|coord_k|>"`` strings. There is no
-guessing from the values: a 0..999 pixel box and a bin box look the same.
+``"norm1000"`` values are already bins: ints 0..999 or ``"<|coord_k|>"`` strings, kept as they are.
+The mode is declared, never guessed from the values (a 0..999 pixel box and a bin box look the
+same): by the record's own ``coord_mode`` or by the data set's (``data.coord_mode``, passed here as
+``coord_mode``). A record with neither is an error naming ``data.coord_mode``; a record whose own
+mode disagrees with the data set's is an error too, never a rescale (docs/data.md).
 
 What this module does not know: tokenizers (``common/tokens.py`` checks a tokenizer has the coord
 tokens), pixels (``common/synthetic.py`` draws them), or how a chat template renders messages.
@@ -165,7 +167,8 @@ def _bins_from_bbox(bbox: Any, mode: str, width: int, height: int, where: str, f
     if mode == "pixel":
         if not all(_is_number(v) for v in bbox):
             hint = (
-                'these look like bins: add "coord_mode": "norm1000" to the record'
+                'these look like bins: declare them norm1000 (data.coord_mode: norm1000, or "coord_mode": "norm1000" '
+                "in the record)"
                 if all(isinstance(v, str) and parse_coord_token(v) is not None for v in bbox)
                 else "pixel coordinates are numbers"
             )
@@ -177,7 +180,8 @@ def _bins_from_bbox(bbox: Any, mode: str, width: int, height: int, where: str, f
                 field,
                 f"{list(bbox)} is not a box inside the {width}x{height} image",
                 "pixel boxes need 0 <= x1 <= x2 <= width and 0 <= y1 <= y2 <= height; "
-                'if the values are norm1000 bins, add "coord_mode": "norm1000"',
+                'if the values are norm1000 bins, declare them (data.coord_mode: norm1000, or "coord_mode": '
+                '"norm1000" in the record)',
             )
         return (quantize(x1 / width), quantize(y1 / height), quantize(x2 / width), quantize(y2 / height))
     bins = []
@@ -190,7 +194,8 @@ def _bins_from_bbox(bbox: Any, mode: str, width: int, height: int, where: str, f
                 where,
                 field,
                 f"norm1000 coordinates must be ints 0..{MAX_BIN} or '<|coord_k|>' strings, got {v!r}",
-                'use bins, or set "coord_mode": "pixel" for pixel coordinates',
+                "use bins, or declare pixel coordinates (data.coord_mode: pixel, or \"coord_mode\": \"pixel\" in "
+                "the record)",
             )
         bins.append(k)
     if bins[2] < bins[0] or bins[3] < bins[1]:
@@ -201,9 +206,42 @@ def _bins_from_bbox(bbox: Any, mode: str, width: int, height: int, where: str, f
 _UNSUPPORTED_GEOMETRY = ("poly", "line", "quad_2d", "point_2d")
 
 
-def load_record(obj: Any, *, where: str | None = None, default_coord_mode: str = "pixel") -> Record:
+COORD_MODES = ("pixel", "norm1000")
+
+
+def record_coord_mode(record_mode: Any, declared: str | None, where: str) -> str:
+    """The mode a record's boxes are read in: its own ``coord_mode`` or the data set's ``declared`` one.
+
+    Neither, or the two disagreeing, raises: the values alone cannot tell pixels from bins.
+    """
+    if record_mode is not None and record_mode not in COORD_MODES:
+        raise RecordError(where, "coord_mode", f"must be 'pixel' or 'norm1000', got {record_mode!r}",
+                          "pick one of the two")
+    if record_mode is None and declared is None:
+        raise RecordError(
+            where, "coord_mode",
+            "the record has no coord_mode and data.coord_mode is not set (pixel and norm1000 boxes look alike, "
+            "so tandem does not guess)",
+            "set data.coord_mode: norm1000 (bins 0..999, e.g. the origin's records) or data.coord_mode: pixel "
+            "in the config (`tandem data check JSONL --config C data.coord_mode=...`), or add \"coord_mode\" "
+            "to every record",
+        )
+    if record_mode is not None and declared is not None and record_mode != declared:
+        raise RecordError(
+            where, "coord_mode",
+            f"the record says {record_mode!r} but data.coord_mode is {declared!r} (tandem never rescales one into "
+            "the other)",
+            f"convert the record's boxes to {declared} and drop its coord_mode, or set data.coord_mode: "
+            f"{record_mode} if the whole data set is in {record_mode}",
+        )
+    return record_mode if record_mode is not None else declared  # type: ignore[return-value]
+
+
+def load_record(obj: Any, *, where: str | None = None, coord_mode: str | None = None) -> Record:
     """Validate one decoded JSONL record and convert its boxes to bins.
 
+    ``coord_mode`` is the data set's declared mode (``data.coord_mode``; None = every record must
+    carry its own, see :func:`record_coord_mode`).
     ``where`` labels error messages (e.g. ``"train.jsonl:12"``); the record's ``id`` is added.
     Unknown top-level keys and unknown object keys are ignored, except geometries other than
     ``bbox_2d`` (v1 is bbox-only), which raise.
@@ -230,9 +268,7 @@ def load_record(obj: Any, *, where: str | None = None, default_coord_mode: str =
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise fail(key, f"must be a positive int (pixels), got {v!r}", f"give the image {key} in pixels")
         size[key] = v
-    mode = obj.get("coord_mode", default_coord_mode)
-    if mode not in ("pixel", "norm1000"):
-        raise fail("coord_mode", f"must be 'pixel' or 'norm1000', got {mode!r}", "pick one of the two")
+    mode = record_coord_mode(obj.get("coord_mode"), coord_mode, where)
     objects = obj.get("objects")
     if not isinstance(objects, list):
         raise fail("objects", f"must be a list, got {type(objects).__name__}", 'use "objects": [] for none')
@@ -252,12 +288,12 @@ def load_record(obj: Any, *, where: str | None = None, default_coord_mode: str =
     return Record(tuple(images), size["width"], size["height"], tuple(out), rid)
 
 
-def iter_jsonl(path: str | os.PathLike[str], *, default_coord_mode: str = "pixel") -> Iterator[Record]:
+def iter_jsonl(path: str | os.PathLike[str], *, coord_mode: str | None = None) -> Iterator[Record]:
     """Records of a JSONL file in order; errors name ``file:line``. Blank lines are skipped."""
     for line in iter_json_lines(path):
         if line.error is not None:
             raise RecordError(line.where, "<line>", line.error, "one object per line")
-        yield load_record(line.value, where=line.where, default_coord_mode=default_coord_mode)
+        yield load_record(line.value, where=line.where, coord_mode=coord_mode)
 
 
 def canonical_order(objects: Iterable[GTObject]) -> list[GTObject]:

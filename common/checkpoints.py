@@ -6,6 +6,7 @@ the one place that knows the layout both sides share::
 
     {output_dir}/checkpoints/<step>/            a finished checkpoint (an integer directory name)
     {output_dir}/checkpoints/.tmp-<step>/       one being written (ignored here)
+    {output_dir}/checkpoints/.deleting-<step>/  one being deleted by retention (ignored here; common/retention.py)
     <checkpoint>/b_ledger_rank<r>.json          {"rank": r, "trained_ids": [B keys rank r trained]}
     <checkpoint>/trainer_state.json             {"run_id": ..., "global_step": ..., "parallel": ..., ...}
     <checkpoint>/model/                         ddp: the HF model directory (weights in safetensors)

@@ -48,6 +48,7 @@ from common.config_schema import (  # noqa: F401 - re-exported: the schema is pa
 from common.config_migration import key_problems, value_problem
 from common.config_learner import FsdpConfig, check_learner_rules  # noqa: F401 - FsdpConfig re-exported
 from common.config_server import check_server_rules
+from common.config_run import check_run_rules
 from common.schedule import exact_ratio
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ def _convert(tp: Any, value: Any, dotted: str, problems: _Problems) -> Any:
 
 
 def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> None:
-    """Semantic fail-fast rules of design section 7 (types are already checked)."""
+    """Semantic fail-fast rules across fields (types are already checked); docs/config.md lists the keys."""
     t, ab, rm, srv = cfg.training, cfg.stage2_ab, cfg.rollout_matching, cfg.rollout_server
     cb = ab.channel_b
     a = cb.async_
@@ -271,9 +272,12 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
         problems.add("transport.hwm", cfg.transport.hwm, f"below queue_limit {a.queue_limit}",
                      "set transport.hwm ≥ stage2_ab.channel_b.async.queue_limit")
     positive("training.eval_every_steps", t.eval_every_steps, 0)
+    if isinstance(t.peak_tflops, (int, float)) and t.peak_tflops <= 0:
+        problems.add("training.peak_tflops", t.peak_tflops, "must be > 0", "use null to measure it at start-up")
     if isinstance(t.max_train_seconds, (int, float)) and t.max_train_seconds <= 0:
         problems.add("training.max_train_seconds", t.max_train_seconds, "must be > 0", "use null for no time budget")
     positive("training.eval_max_images", t.eval_max_images)
+    positive("data.num_records_checked_at_start", cfg.data.num_records_checked_at_start, 0)
     for key in ("desc_ce_weight", "bbox_smoothl1_weight", "bbox_ciou_weight", "coord_ce_weight"):
         v = getattr(ab, key)
         if isinstance(v, float) and v < 0:
@@ -304,6 +308,7 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     positive("rollout_server.port", srv.port)
     check_server_rules(srv, problems)
     check_learner_rules(cfg, problems)
+    check_run_rules(cfg, problems)
     positive("transport.base_port", cfg.transport.base_port)
 
 

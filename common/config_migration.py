@@ -31,6 +31,8 @@ RETIRED_KEYS = {
     "(stage2_ab.channel_b.mode: async) replaces it",
     "rollout_matching.max_new_tokens": "move it to rollout_matching.decoding.max_new_tokens",
     "training.packing_length": "remove it: packing_length is training.global_max_length",
+    "training.tensorboard": "write training.report_to: [tensorboard] instead of true (it also takes wandb and "
+    "mlflow); remove it where it was false",
 }
 
 #: Values the origin accepted that no tandem code path runs: (dotted key, value) -> (problem, fix).

@@ -17,8 +17,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.config_data import DataConfig
 from common.config_fields import REQUIRED, doc  # noqa: F401 - re-exported
 from common.config_learner import LearnerConfig
+from common.config_run import TrainingRunKeys
 
 # --------------------------------------------------------------------------------------------- schema
 
@@ -31,31 +33,18 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(
         "Learner dtype. auto = bfloat16 on CUDA, float32 on CPU.", "auto"
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = doc(
-        "Attention kernel. Packed segments are isolated with a block-diagonal mask (sdpa/eager) "
-        "or cu_seqlens (flash_attention_2).",
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = doc(
+        "Attention kernel; packed segments stay apart by a [T, T] block mask (sdpa, eager) or by their boundaries: "
+        "flash_attention_2 (flash-attn package) or varlen (torch's varlen_attn, one call per layer in the LM and the "
+        "vision tower; the fast one on GPUs; a per-segment sdpa reference on the CPU; learner/attention.py).",
         "sdpa",
     )
     coord_tokens: bool = doc("Require the 1000 <|coord_k|> tokens in the tokenizer (fail at start if absent).", True)
 
 
 @dataclass
-class DataConfig:
-    """Training data in the JSONL contract of design section 2."""
-
-    train_jsonl: str = doc("Training records (JSONL).")
-    val_jsonl: str | None = doc("Validation records (JSONL); None = no evaluation.", None)
-    image_root: str | None = doc("Directory relative image paths resolve against; None = the JSONL's directory.", None)
-    system_prompt: str | None = doc(
-        "System text of every training, rollout and evaluation prompt; None = the built-in detector instructions "
-        "(common/assistant_json.py). Use the prompt your Stage-1 checkpoint was trained with.", None
-    )
-    user_prompt: str | None = doc("User text after the images; None = the built-in request.", None)
-
-
-@dataclass
-class TrainingConfig:
-    """Learner optimisation, packing and run bookkeeping."""
+class TrainingConfig(TrainingRunKeys):
+    """Learner optimisation, packing and run bookkeeping (checkpoint retention, trackers: common/config_run.py)."""
 
     per_device_train_batch_size: int = doc(
         "Nominal samples per micro-step per rank: sets GA (effective_batch_size), rollouts_per_step and the micro "
@@ -81,6 +70,22 @@ class TrainingConfig:
     min_lr_ratio: float = doc("Final learning rate as a share of lr.", 0.0)
     max_grad_norm: float = doc("Gradient clipping norm; 0 disables.", 1.0)
     gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
+    loss_head: Literal["plain", "chunked"] = doc(
+        "How the loss reads the LM head over the N supervised rows of a pack. plain: the model returns the logits "
+        "[N, vocab] (model.dtype) and the loss upcasts them to float32 (2.4 GB at N = 4,000 rows of a 151,936-row "
+        "vocabulary, held for backward, then as much again for its gradient). chunked: the LM head does not project; the cross-entropies "
+        "run over vocabulary slices of its weight with the logits recomputed in backward (torch only, "
+        "learner/loss.py linear_cross_entropy; at most ~256 MiB of float32 logits at a time), and the geometry "
+        "terms read the 1000 coord columns exactly as plain does. Same loss and gradients up to float rounding "
+        "(docs/learner.md, Loss head).", "plain")
+    compile: Literal["none", "blocks"] = doc(
+        "blocks: torch.compile each vision block and decoder layer (regional; learner/model.py compile_blocks): the "
+        "elementwise work between matmuls fuses (a 3b step at 12000 tokens: 1.82 -> 1.11 s on an H100, "
+        "docs/benchmarks.md section 20); the first steps pay the compilation. none: eager.", "none")
+    peak_tflops: float | None = doc(
+        "The dense matmul rate of one learner device in TFLOP/s (e.g. a datasheet's bf16 figure), the peak that "
+        "throughput/mfu divides by (learner/throughput.py). None = measured at start-up on rank 0's device: an "
+        "8192³ matmul in the model's dtype on a GPU (~0.1 s), 1024³ on a CPU.", None)
     max_steps: int = doc("Optimizer steps to run.", 100)
     max_train_seconds: float | None = doc(
         "Also stop after the optimizer step at which this process has trained this long (the sum of time/step: "
@@ -108,7 +113,6 @@ class TrainingConfig:
         "steps. The Stage-2 learner writes a metrics.jsonl record every optimizer step (the summary, the plot and "
         "the conservation checks read every one) and refuses another value at start.", 1
     )
-    tensorboard: bool = doc("Also write TensorBoard events (needs the tensorboard package).", False)
     progress: bool = doc("Progress bar on rank 0.", True)
     eval_every_steps: int = doc(
         "Evaluate on data.val_jsonl every N optimizer steps (greedy rollouts through the rollout server, on a "
@@ -362,7 +366,7 @@ class TransportConfig:
     credit_interval_s: float = doc("Learner publishes credits at least this often.", 0.2)
     max_frame_mb: int | None = doc(
         "Largest frame a learner rank's pack socket accepts (zmq.MAXMSGSIZE): ZMQ drops a peer that sends a bigger "
-        "one, unread. None = training.global_max_length × 32 KiB + 1 MiB, room for any legal pack of the Qwen-VL "
+        "one, unread. None = training.global_max_length × 8 KiB + 1 MiB, room for any legal pack of the Qwen-VL "
         "family; the learner checks at start that its model's biggest legal frame fits.", None
     )
 

@@ -4,7 +4,14 @@
         │
         ├─► hungarian_match (the training matcher, gate 0.5) ─► counts summed over images ─► P / R / F1
         ├─► pycocotools COCOeval (class-agnostic "object", pixel boxes) ─► mAP@[.5:.95], mAP@.5
+        ├─► pycocotools COCOeval (category = GT desc) ─► AP per class, their mean (the COCO-comparable mAP)
+        ├─► LVIS records (neg / not-exhaustive categories): federated AP (common/lvis_eval.py)
         └─► rollout health: parse failures, truncations, objects/image, drops by reason
+
+Per-class AP: the categories are the distinct GT descs of the eval set (a converted COCO/LVIS set's
+category names); a prediction counts for the category its desc names exactly, and one whose desc is
+no category is left out (``n_pred_unknown_desc``), as COCO evaluates only the ground truth's
+categories. The class-agnostic mAP ignores descs: it scores localisation alone.
 
 Two detection numbers on purpose. **F1@0.5** is what training optimises against: the same
 Hungarian matcher as Channel-B (``common/matching.py``), one-to-one, score-blind, counts aggregated
@@ -33,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -107,8 +115,8 @@ class DetectionReport:
     precision: float | None  # n_matched / n_pred
     recall: float | None  # n_matched / n_gt
     f1: float | None
-    map: float | None  # COCO mAP@[.5:.95], area all, 100 detections per image
-    map_50: float | None  # COCO AP@.5
+    map: float | None  # COCO mAP@[.5:.95], area all, 100 detections per image, class-agnostic
+    map_50: float | None  # COCO AP@.5, class-agnostic
     mean_matched_iou: float | None  # mean IoU of matcher pairs
     parse_failure_rate: float  # share of rollouts that failed to parse (parse_failed())
     truncated_rate: float  # share of rollouts that ended with finish_reason "length"
@@ -117,6 +125,12 @@ class DetectionReport:
     dropped_objects: dict[str, int]  # summed ParseResult.dropped_by_reason, every reason listed
     score_source: str  # "coord_logprob" | "constant"
     iou_threshold: float = IOU_THRESHOLD
+    lvis_map: float | None = None  # LVIS federated AP@[.5:.95] (common/lvis_eval.py); None: no LVIS records
+    lvis_map_50: float | None = None
+    map_per_class: float | None = None  # COCO mAP@[.5:.95] with the GT descs as categories (coco_per_class)
+    map_50_per_class: float | None = None
+    ap_by_class: dict[str, dict[str, Any]] = field(default_factory=dict)  # desc -> {"ap", "ap_50", "n_gt", "n_pred"}
+    n_pred_unknown_desc: int = 0  # predictions whose desc is no GT category (in no category's AP)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -157,49 +171,102 @@ def object_scores(parse_result: ParseResult, token_logprobs: Sequence[float] | N
     return scores
 
 
-def _pixel_xywh(bins: Sequence[int], width: int, height: int) -> list[float]:
+def pixel_xywh(bins: Sequence[int], width: int, height: int) -> list[float]:
     x1, y1, x2, y2 = (bins[0] / MAX_BIN * width, bins[1] / MAX_BIN * height,
                       bins[2] / MAX_BIN * width, bins[3] / MAX_BIN * height)
     return [x1, y1, max(0.0, x2 - x1), max(0.0, y2 - y1)]
 
 
-def coco_map(images: Sequence[ImageResult]) -> tuple[float | None, float | None, str | None]:
-    """(mAP@[.5:.95], AP@.5, note) from pycocotools, class-agnostic; (None, None, why) without any GT."""
+def _coco_eval(images: Sequence[ImageResult], categories: Sequence[str] | None) -> Any:
+    """pycocotools' COCOeval over ``images``, evaluated and accumulated. ``categories`` None: class-agnostic
+    (one category "object"); else category k + 1 is ``categories[k]`` and a prediction whose desc is none of
+    them is left out (COCO evaluates only the ground truth's categories)."""
     from pycocotools.coco import COCO  # deferred: only evaluation needs it
     from pycocotools.cocoeval import COCOeval
 
-    if not any(im.gt for im in images):
-        return None, None, "mAP undefined: the eval set has no ground-truth objects (COCO reports -1)"
+    ids = {c: k for k, c in enumerate(categories or ["object"], 1)}
+
+    def cat(desc: str) -> int | None:
+        return 1 if categories is None else ids.get(desc)
+
     imgs, gts, dts = [], [], []
     for i, im in enumerate(images, 1):
         imgs.append({"id": i, "width": im.width, "height": im.height})
         for g in im.gt:
-            box = _pixel_xywh(g.bins, im.width, im.height)
-            gts.append({"id": len(gts) + 1, "image_id": i, "category_id": 1, "bbox": box,
+            box = pixel_xywh(g.bins, im.width, im.height)
+            gts.append({"id": len(gts) + 1, "image_id": i, "category_id": cat(g.desc), "bbox": box,
                         "area": box[2] * box[3], "iscrowd": 0})
         for p in im.preds:
-            box = _pixel_xywh(p.bins, im.width, im.height)
-            dts.append({"id": len(dts) + 1, "image_id": i, "category_id": 1, "bbox": box,
-                        "area": box[2] * box[3], "score": float(p.score)})
-    categories = [{"id": 1, "name": "object"}]
+            if (c := cat(p.desc)) is not None:
+                box = pixel_xywh(p.bins, im.width, im.height)
+                dts.append({"id": len(dts) + 1, "image_id": i, "category_id": c, "bbox": box,
+                            "area": box[2] * box[3], "score": float(p.score)})
+    cats = [{"id": k, "name": c} for c, k in ids.items()]
     # Both sides built directly (not COCO.loadRes, which cannot take zero detections); prints silenced.
     with contextlib.redirect_stdout(io.StringIO()):
         coco_gt, coco_dt = COCO(), COCO()
-        coco_gt.dataset = {"images": imgs, "annotations": gts, "categories": categories}
-        coco_dt.dataset = {"images": imgs, "annotations": dts, "categories": categories}
+        coco_gt.dataset = {"images": imgs, "annotations": gts, "categories": cats}
+        coco_dt.dataset = {"images": imgs, "annotations": dts, "categories": cats}
         coco_gt.createIndex()
         coco_dt.createIndex()
         ev = COCOeval(coco_gt, coco_dt, iouType="bbox")
         ev.evaluate()
         ev.accumulate()
         ev.summarize()
+    return ev
+
+
+def coco_map(images: Sequence[ImageResult]) -> tuple[float | None, float | None, str | None]:
+    """(mAP@[.5:.95], AP@.5, note) from pycocotools, class-agnostic; (None, None, why) without any GT."""
+    if not any(im.gt for im in images):
+        return None, None, "mAP undefined: the eval set has no ground-truth objects (COCO reports -1)"
+    ev = _coco_eval(images, None)
     m, m50 = float(ev.stats[0]), float(ev.stats[1])
     return (m if m >= 0 else None), (m50 if m50 >= 0 else None), None
 
 
+@dataclass
+class ClassAP:
+    """COCO AP per category: the eval set's GT descs are its categories (pycocotools, class-aware)."""
+
+    map: float | None  # COCO mAP@[.5:.95] = the mean of the per-category APs
+    map_50: float | None
+    by_class: dict[str, dict[str, float | int | None]]  # desc -> {"ap", "ap_50", "n_gt", "n_pred"}
+    n_pred_unknown_desc: int  # predictions whose desc is no GT category: in no category's AP
+
+
+def coco_per_class(images: Sequence[ImageResult]) -> ClassAP | None:
+    """Per-category AP (module docstring); None without any GT.
+
+    Per category k, AP is COCO's own summary over its slice of ``COCOeval.eval["precision"]`` ([IoU
+    thresholds, 101 recall points, category, area range, max detections]): area "all", 100 detections,
+    the mean of the entries > -1, as ``COCOeval.summarize`` averages them over every category.
+    """
+    categories = sorted({g.desc for im in images for g in im.gt})
+    if not categories:
+        return None
+    ev = _coco_eval(images, categories)
+    precision = ev.eval["precision"]  # [T, R, K, A, M]
+
+    def ap(values: Any) -> float | None:
+        valid = values[values > -1]
+        return float(valid.mean()) if valid.size else None
+
+    n_gt = Counter(g.desc for im in images for g in im.gt)
+    n_pred = Counter(p.desc for im in images for p in im.preds)
+    by_class = {c: {"ap": ap(precision[:, :, k, 0, -1]), "ap_50": ap(precision[0, :, k, 0, -1]), "n_gt": n_gt[c],
+                    "n_pred": n_pred[c]} for k, c in enumerate(categories)}
+    m, m50 = float(ev.stats[0]), float(ev.stats[1])
+    return ClassAP(map=m if m >= 0 else None, map_50=m50 if m50 >= 0 else None, by_class=by_class,
+                   n_pred_unknown_desc=sum(n for c, n in n_pred.items() if c not in n_gt))
+
+
 def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "constant",
-                        iou_threshold: float = IOU_THRESHOLD) -> DetectionReport:
-    """The report of module docstring for ``images``; ValueError for an empty set or a bad score."""
+                        iou_threshold: float = IOU_THRESHOLD, federated: Sequence[Any] | None = None) -> DetectionReport:
+    """The report of module docstring for ``images``; ValueError for an empty set or a bad score.
+
+    ``federated``: per image, its LVIS labels (``common.lvis_eval.Federated``, None for a record without them),
+    parallel to ``images``; when any image has them the report adds the LVIS federated AP (``lvis_map``)."""
     if not images:
         raise ValueError("empty eval set: no images to evaluate (check the JSONL and --max-images)")
     if score_source not in SCORE_SOURCES:
@@ -229,6 +296,14 @@ def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "c
     m, m50, why = coco_map(images)
     if why:
         notes.append(why)
+    per_class = coco_per_class(images)
+    lvis: tuple[float | None, float | None] = (None, None)
+    if federated is not None and any(f is not None for f in federated):
+        from common.lvis_eval import lvis_map
+
+        if len(federated) != len(images):
+            raise ValueError(f"{len(federated)} federated labels for {len(images)} images")
+        lvis = lvis_map(images, federated)
     if score_source == "constant" and n_pred:
         notes.append("scores are constant (no logprobs): COCO AP ranks ties in input order")
     n = len(images)
@@ -238,5 +313,8 @@ def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "c
         parse_failure_rate=sum(im.parse_failed for im in images) / n,
         truncated_rate=sum(im.finish_reason == "length" for im in images) / n,
         objects_per_image=n_pred / n, gt_per_image=n_gt / n, dropped_objects=dropped,
-        score_source=score_source, iou_threshold=iou_threshold, notes=notes,
+        score_source=score_source, iou_threshold=iou_threshold, notes=notes, lvis_map=lvis[0], lvis_map_50=lvis[1],
+        **({} if per_class is None else {
+            "map_per_class": per_class.map, "map_50_per_class": per_class.map_50, "ap_by_class": per_class.by_class,
+            "n_pred_unknown_desc": per_class.n_pred_unknown_desc}),
     )

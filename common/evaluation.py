@@ -1,4 +1,4 @@
-"""The evaluation loop shared by ``python -m evaluator`` and the learner (design section 13).
+"""The evaluation loop shared by ``python -m evaluator`` and the learner (docs/evaluation.md).
 
     val.jsonl ──load_eval_set (bad lines / missing images skipped, counted)──► records[:max_images]
         │
@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from common.assistant_json import DEFAULT_PROMPTS, Prompts, Record, RecordError, build_messages, load_record
 from common.detection_eval import DetectionReport, ImageResult, evaluate_detections, object_scores
 from common.jsonl import iter_json_lines
+from common.lvis_eval import Federated, federated_of
 from common.parsing import parse_rollout
 from common.protocol import HealthResponse, InferItem, InferRequest, InferResponse, SamplingParams
 
@@ -80,15 +81,17 @@ class EvalSet:
     image_root: str  # absolute
     records: list[Record]
     skipped: list[str] = field(default_factory=list)  # "val.jsonl:7: <problem>", one per skipped line
+    federated: list[Federated | None] = field(default_factory=list)  # per record: its LVIS labels (lvis_eval.py)
 
 
 def load_eval_set(path: str | os.PathLike[str], *, max_images: int | None = None, image_root: str | None = None,
-                  default_coord_mode: str = "pixel") -> EvalSet:
+                  coord_mode: str | None = None) -> EvalSet:
     """The first ``max_images`` valid records of ``path`` (all if None), in file order.
 
     A line that is not JSON, breaks the data contract, or names an image file that does not exist is
     skipped and listed in ``EvalSet.skipped`` (file:line and the problem), never fatal.
-    ``image_root`` None = the JSONL's folder (as ``data.image_root`` does).
+    ``image_root`` None = the JSONL's folder (as ``data.image_root`` does); ``coord_mode`` is
+    ``data.coord_mode`` (None = each record must carry its own).
     """
     path = os.fspath(path)
     root = os.path.abspath(image_root if image_root is not None else Path(path).resolve().parent)
@@ -101,15 +104,20 @@ def load_eval_set(path: str | os.PathLike[str], *, max_images: int | None = None
             out.skipped.append(f"{line.where}: {line.error}")
             continue
         try:
-            rec = load_record(line.value, where=line.where, default_coord_mode=default_coord_mode)
+            rec = load_record(line.value, where=line.where, coord_mode=coord_mode)
+            fed = federated_of(line.value)
         except RecordError as exc:
             out.skipped.append(str(exc))
+            continue
+        except ValueError as exc:  # neg_categories / not_exhaustive_categories malformed
+            out.skipped.append(f"{line.where}: {exc}")
             continue
         missing = [p for p in rec.image_paths(root) if not os.path.isfile(p)]
         if missing:
             out.skipped.append(f"{line.where}: image not found: {missing[0]} (relative paths resolve against {root})")
             continue
         out.records.append(rec)
+        out.federated.append(fed)
     for s in out.skipped[:5]:
         log.warning("skipped %s", s)
     if len(out.skipped) > 5:
@@ -133,7 +141,9 @@ class EvalResult:
         r = self.report
         values = {
             "eval/precision": r.precision, "eval/recall": r.recall, "eval/f1": r.f1, "eval/map": r.map,
-            "eval/map_50": r.map_50, "eval/parse_failure_rate": r.parse_failure_rate,
+            "eval/map_50": r.map_50, "eval/map_per_class": r.map_per_class, "eval/map_50_per_class": r.map_50_per_class,
+            "eval/lvis_map": r.lvis_map, "eval/lvis_map_50": r.lvis_map_50,
+            "eval/parse_failure_rate": r.parse_failure_rate,
             "eval/truncated_rate": r.truncated_rate, "eval/objects_per_image": r.objects_per_image,
             "eval/gt_per_image": r.gt_per_image, "eval/n_images": r.n_images,
             "eval/mean_matched_iou": r.mean_matched_iou, "eval/ver": self.ver_max, "eval/time_s": self.elapsed_s,
@@ -159,11 +169,13 @@ def _vers_for(vers: Sequence[int], n: int) -> list[int]:
 
 def evaluate_records(records: Sequence[Record], infer: InferFn, *, tokenizer: Any, coord_ids: Sequence[int] | None,
                      image_root: str | os.PathLike[str], max_new_tokens: int, batch_size: int = 8,
-                     max_abort_retries: int = 2, prompts: Prompts = DEFAULT_PROMPTS) -> EvalResult:
+                     max_abort_retries: int = 2, prompts: Prompts = DEFAULT_PROMPTS,
+                     federated: Sequence[Federated | None] | None = None) -> EvalResult:
     """Greedy rollouts of ``records`` through ``infer``, parsed strictly and scored (module docstring).
 
     ``coord_ids``: the 1000 coord token ids (``common.tokens.coord_token_ids``; None = look them up).
     ``prompts``: the run's ``data.system_prompt`` / ``data.user_prompt`` (the model's training prompt).
+    ``federated``: ``EvalSet.federated`` (parallel to ``records``): LVIS records add the federated AP.
     Raises ValueError for no records; whatever ``infer`` raises propagates.
     """
     if not records:
@@ -201,7 +213,8 @@ def evaluate_records(records: Sequence[Record], infer: InferFn, *, tokenizer: An
         scores = object_scores(parse, out.logprobs if with_logprobs and i not in aborted else None)
         images.append(ImageResult.from_parse(rec, parse, scores, finish_reason=out.finish_reason, images=paths[i],
                                              ver=vers[i]))
-    report = evaluate_detections(images, score_source="coord_logprob" if with_logprobs else "constant")
+    report = evaluate_detections(images, score_source="coord_logprob" if with_logprobs else "constant",
+                                 federated=federated)
     if aborted:
         report.notes.append(f"{len(aborted)} rollouts stayed aborted by sync fences after {max_abort_retries} "
                             "resubmissions; counted as parse failures")

@@ -1,4 +1,4 @@
-"""Hungarian matching of predicted boxes to ground truth (design section 3, step 3).
+"""Hungarian matching of predicted boxes to ground truth (Channel-B: docs/actor.md, Data flow).
 
 Boxes are norm1000 bins ``[x1, y1, x2, y2]`` (ints 0..999, as decoded from ``<|coord_k|>``).
 A bin ``k`` stands for the continuous coordinate ``k / 999`` (never ``/1000``), and a box covers
@@ -99,7 +99,7 @@ def hungarian_match(
     fp_cost: float,
     fn_cost: float,
 ) -> MatchResult:
-    """Match predictions to GT with a dummy-padded square assignment (origin section 3).
+    """Match predictions to GT with a dummy-padded square assignment (the origin's scheme).
 
     ``pred_boxes`` [P, 4] and ``gt_boxes`` [G, 4] are norm1000 bins. Each prediction may only be
     matched to one of its ``candidate_top_k`` GT candidates, and only if ``IoU >= gate``; candidate

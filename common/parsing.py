@@ -1,4 +1,5 @@
-"""Strict, token-aligned parsing of one rollout response (design section 3 step 2; origin section 2).
+"""Strict, token-aligned parsing of one rollout response (Channel-B: docs/actor.md, Data flow; as the
+origin's parse_rollout_for_matching).
 
 The response is read through the tokenizer's own per-token pieces, never re-tokenised
 (:mod:`common.token_text` does the token level); this module scans and validates the text:
@@ -18,7 +19,7 @@ truncations, out-of-vocabulary ids and non-integers all come back as a result wi
 
 Deviations from the origin, on purpose:
   - ``max_object_index`` is the highest ``object_N`` key anywhere in the kept prefix, valid or not
-    (the origin used valid objects only, so appended FN keys could collide; origin section 11.7).
+    (the origin used valid objects only, so appended FN keys could collide).
   - a cut that cannot be reproduced by re-encoding falls back to the previous safe cut instead of
     raising; scanning stops when the top-level object closes (trailing text is ignored); a value at
     top level that is not an object (``"object_2": 5``) is counted as ``key_invalid``.

@@ -305,7 +305,7 @@ class HealthResponse(_Message):
 
     Example:
         {"status": "ok", "engine": "hf", "model": "/models/tiny-qwen2-vl", "ver": 3,
-         "sync_state": "idle", "world_size": 1, "schema": 1}
+         "sync_state": "idle", "world_size": 1, "schema": 2}
     """
 
     model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True, validate_by_alias=True)

@@ -17,6 +17,14 @@ Position conventions (all segment-local, 0-based, over ``input_ids``):
   - ``position_ids`` are the model's own rope positions for this segment alone ([3, L] for the
     mRoPE Qwen-VL family, [1, L] otherwise); text positions restart at 0 in every segment.
 
+Pixels travel lean: ``pixel_values`` are the resized images' 0..255 values (uint8) in the image
+processor's patch layout, and ``pixel_affine`` ([2, D]: scale, offset per column) turns them into the
+processor's float input: ``pixel_values * scale + offset`` (:func:`pixel_floats`), which is
+``(u8 · rescale_factor − mean[c]) / std[c]`` of the column's channel c. The Qwen-VL processors resize
+uint8 images and only then rescale, normalise and patchify, so this is exact up to float32 rounding
+(``common.tensors.encode.to_uint8_pixels`` checks it per image); the learner applies it on its device.
+A quarter of the float32 bytes: 6.4 MB instead of 25.8 MB per 1024-px image (74 × 74 patches of 1,176).
+
 What this module does not know: tokenizers, models, or how targets were chosen.
 """
 
@@ -40,9 +48,16 @@ PACK_TENSOR_SPECS: dict[str, tuple[str, int]] = {
     "cu_seqlens": ("int32", 1),  # [n_segments + 1], cu_seqlens[0] = 0, cu_seqlens[-1] = T
     "coord_pos": ("int64", 1),  # [M], pack-absolute positions, M % 4 == 0
     "coord_bins": ("int64", 1),  # [M], 0..999
-    "pixel_values": ("float32", 2),  # [P, D] patches of every image in the pack (P may be 0)
+    "pixel_values": ("uint8", 2),  # [P, D] patches of every image in the pack, 0..255 (P may be 0)
+    "pixel_affine": ("float32", 2),  # [2, D] per column: scale, offset to the processor's floats (pixel_floats)
     "image_grid_thw": ("int64", 2),  # [I, 3] one row per image, in segment order
 }
+
+
+def pixel_floats(pixel_values: np.ndarray, pixel_affine: np.ndarray) -> np.ndarray:
+    """The image processor's float32 ``pixel_values`` from the wire's uint8 ones (the learner does the same on its
+    device: ``learner.model.pack_inputs``)."""
+    return pixel_values.astype(np.float32) * pixel_affine[0] + pixel_affine[1]
 
 
 class SegmentError(ValueError):
@@ -54,9 +69,9 @@ class SegmentError(ValueError):
 REJECT_REASONS = ("future_ver", "too_long", "token_id", "nonfinite", "weight", "position", "image", "meta")
 
 #: Bytes per token that a pack frame may carry when no cap is configured (``transport.max_frame_mb``): a legal
-#: pack's biggest frame is its ``pixel_values``, at most merge² (4) patches per token of ≤ 1536 float32
-#: (Qwen2/2.5-VL 1176, Qwen3-VL 1536) = 24 KiB; the rest is < 100 bytes per token.
-FRAME_BYTES_PER_TOKEN = 32 * 1024
+#: pack's biggest frame is its ``pixel_values``, at most merge² (4) patches per token of ≤ 1536 uint8
+#: (Qwen2/2.5-VL 1176, Qwen3-VL 1536) = 6 KiB; the rest is < 100 bytes per token.
+FRAME_BYTES_PER_TOKEN = 8 * 1024
 
 
 def default_max_frame_bytes(packing_length: int) -> int:
@@ -83,7 +98,7 @@ class PackLimits:
 
     def largest_frame_bytes(self) -> int:
         """The biggest frame a legal pack sends: its ``pixel_values`` or its ``position_ids``."""
-        pixels = self.packing_length * self.merge_size ** 2 * (self.patch_dim or 0) * 4
+        pixels = self.packing_length * self.merge_size ** 2 * (self.patch_dim or 0)  # uint8
         return max(pixels, self.packing_length * 8 * (self.rope_rows or 3))
 
 
@@ -104,7 +119,7 @@ def pack_rejection(tensors: Mapping[str, np.ndarray], segment_meta: Sequence[Map
     sup = labels[labels != IGNORE_INDEX]
     if sup.size and (sup.min() < 0 or sup.max() >= v):
         return "token_id", f"labels hold {int(sup.min() if sup.min() < 0 else sup.max())}, outside [0, {v}) and not -100"
-    for name in ("weights", "pixel_values"):
+    for name in ("weights", "pixel_affine"):
         if not np.isfinite(tensors[name]).all():
             return "nonfinite", f"{name} holds NaN or inf"
     if t and weights.min() < 0:
@@ -156,8 +171,9 @@ class Segment:
     position_ids: np.ndarray
     coord_pos: np.ndarray
     coord_bins: np.ndarray
-    pixel_values: np.ndarray
+    pixel_values: np.ndarray  # uint8 [P, D]
     image_grid_thw: np.ndarray
+    pixel_affine: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), np.float32))  # [2, D]; [2, 0] no images
     meta: dict[str, Any] = field(default_factory=dict)  # JSON/msgpack-safe counters (parse, match)
 
     @property
@@ -188,6 +204,12 @@ class Segment:
                 f"segment {self.sample_id}: pixel_values has {self.pixel_values.shape[0]} rows, "
                 f"image_grid_thw implies {patches}"
             )
+        if patches and self.pixel_values.dtype != np.uint8:
+            raise SegmentError(f"segment {self.sample_id}: pixel_values are {self.pixel_values.dtype}, the wire takes "
+                               "uint8 0..255 with a pixel_affine (common.tensors.encode.to_uint8_pixels)")
+        if patches and self.pixel_affine.shape != (2, self.pixel_values.shape[1]):
+            raise SegmentError(f"segment {self.sample_id}: pixel_affine shape {self.pixel_affine.shape} != "
+                               f"(2, {self.pixel_values.shape[1]}) (scale and offset per pixel_values column)")
 
 
 @dataclass
@@ -215,6 +237,13 @@ class Pack:
             raise SegmentError(f"pack ver {self.ver} mixes pixel_values widths {sorted(widths)}: segments of one pack "
                                "must come from one image processor (same patch size and channels)")
         d = widths.pop() if widths else 0
+        with_images = [s for s in self.segments if s.pixel_values.size]
+        affine = with_images[0].pixel_affine if with_images else np.zeros((2, 0), np.float32)
+        if any(not np.array_equal(s.pixel_affine, affine) for s in with_images):
+            raise SegmentError(f"pack ver {self.ver} mixes pixel normalisations (pixel_affine): segments of one pack "
+                               "must come from one image processor (same mean, std and rescale factor)")
+        if any(s.pixel_values.dtype != np.uint8 for s in with_images):
+            raise SegmentError(f"pack ver {self.ver}: pixel_values must be uint8 (Segment.validate says why)")
         return {
             "input_ids": np.concatenate([s.input_ids for s in self.segments]).astype(np.int64, copy=False),
             "labels": np.concatenate([s.labels for s in self.segments]).astype(np.int64, copy=False),
@@ -224,8 +253,9 @@ class Pack:
             "coord_pos": np.concatenate([s.coord_pos + o for s, o in zip(self.segments, offsets)]).astype(np.int64),
             "coord_bins": np.concatenate([s.coord_bins for s in self.segments]).astype(np.int64),
             "pixel_values": np.concatenate(
-                [s.pixel_values.reshape(-1, d) if d else np.zeros((0, 0), np.float32) for s in self.segments]
-            ).astype(np.float32, copy=False),
+                [s.pixel_values.reshape(-1, d) if d else np.zeros((0, 0), np.uint8) for s in self.segments]
+            ).astype(np.uint8, copy=False),
+            "pixel_affine": np.ascontiguousarray(affine, dtype=np.float32),
             "image_grid_thw": np.concatenate([s.image_grid_thw.reshape(-1, 3) for s in self.segments]).astype(np.int64),
         }
 
@@ -287,6 +317,7 @@ class Pack:
                 coord_bins=tensors["coord_bins"][c0 : starts["coord"]],
                 pixel_values=tensors["pixel_values"][p0 : starts["patch"]],
                 image_grid_thw=tensors["image_grid_thw"][i0 : starts["image"]],
+                pixel_affine=tensors["pixel_affine"],
                 meta=dict(m["meta"]),
             )
             if (segment.coord_pos.shape[0], segment.image_grid_thw.shape[0]) != (m["n_coord"], m["n_images"]):
@@ -327,6 +358,9 @@ def _check_pack_arrays(tensors: Mapping[str, np.ndarray]) -> None:
     rows, patches = tensors["pixel_values"].shape[0], int(np.prod(grid, axis=1).sum())
     if rows != patches:
         raise SegmentError(f"pixel_values has {rows} rows, image_grid_thw implies {patches}")
+    if tensors["pixel_affine"].shape != (2, tensors["pixel_values"].shape[1]):
+        raise SegmentError(f"pixel_affine shape {tensors['pixel_affine'].shape} != (2, "
+                           f"{tensors['pixel_values'].shape[1]}): a scale and an offset per pixel_values column")
 
 
 def _check_segment_meta(m: Any, i: int) -> dict[str, Any]:

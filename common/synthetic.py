@@ -1,10 +1,10 @@
 """A deterministic synthetic detection dataset: coloured shapes on varied backgrounds.
 
-    python -m common.synthetic --out artifacts/data/synth --n 64 --seed 0 [--split 56/8] [--force]
+    python -m common.synthetic --out artifacts/data/synth --n 64 --seed 0 [--split 56/8] [--force]   # = tandem data synth
         [--sides 56,84,112] [--max-objects 12] [--size-range 0.12/0.6]
 
 writes ``train.jsonl``, ``val.jsonl``, ``images/synth-000123.png`` and ``manifest.json`` under
-``--out``, in the record format of design section 2 (pixel boxes, ``"coord_mode": "pixel"``).
+``--out``, in the record format of docs/data.md (pixel boxes, ``"coord_mode": "pixel"``).
 Record i is drawn from its own random stream ``(seed, i)``, so it is the same whatever ``n`` is,
 and the same seed gives byte-identical files. A second run with the same parameters does nothing.
 

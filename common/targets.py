@@ -1,15 +1,15 @@
-"""Teacher-forced targets for Channel-A and Channel-B, at the token level (design section 3 step 4).
+"""Teacher-forced targets for Channel-A and Channel-B, at the token level (Channel-B: docs/actor.md, Data flow).
 
 A :class:`TargetSpec` describes the assistant span only (index 0 = first assistant token); the
 encoder that adds the chat template and images shifts every position by the prompt length.
 
     channel_a_target      GT in canonical order, serialised            (all groups geometry, "fn")
     reordered_gt_target   matched GT in predicted order + FN in GT order, renumbered object_1..K
-                          (origin 4.1a: first n_matched groups "prefix", the rest "fn")
+                          (the origin's reordered_gt_sft: true: first n_matched groups "prefix", the rest "fn")
     rollout_prefix_target rollout prefix ids verbatim + FN appended before the closing `}`,
-                          numbered after the highest object_N key in the prefix  (origin 4.1b)
+                          numbered after the highest object_N key in the prefix  (the origin's reordered_gt_sft: false)
 
-Supervision rules shared by all three (origin 4.2):
+Supervision rules shared by all three (the origin's):
   - coord tokens are never CE-supervised; they are supervised by geometry at ``coord_positions``
     (groups of four: x1, y1, x2, y2) against ``coord_bins``;
   - desc value tokens (any token overlapping the characters inside ``"desc": "..."``) get
@@ -197,7 +197,8 @@ def reordered_gt_target(
     coord_ids: Sequence[int] | None = None,
     im_end_token: str = IM_END,
 ) -> TargetSpec:
-    """Matched GT in predicted order, then FN in GT order, renumbered object_1..K (origin 4.1a).
+    """Matched GT in predicted order, then FN in GT order, renumbered object_1..K (the origin's
+    ``reordered_gt_sft: true``).
 
     No rollout token is kept. Geometry is supervised on every group, matched and FN alike, under
     GT context; meta ``bbox_groups_prefix`` (the first ``n_matched`` groups, the matched ones) and
@@ -236,7 +237,8 @@ def rollout_prefix_target(
     coord_ids: Sequence[int] | None = None,
     im_end_token: str = IM_END,
 ) -> TargetSpec:
-    """The rollout prefix kept verbatim, FN objects appended before the closing ``}`` (origin 4.1b).
+    """The rollout prefix kept verbatim, FN objects appended before the closing ``}`` (the origin's
+    ``reordered_gt_sft: false``).
 
     - FN keys start at ``parse.max_object_index + 1``, so they never repeat an ``object_N`` key
       present in the prefix, valid or not. A ``", "`` separator leads when the prefix ends in ``}``.

@@ -28,7 +28,7 @@ learner nodes and actors on a private network and firewall those ports to the ac
 
 Delivery semantics are written on each class. In short: packs never drop silently in transit —
 the sender blocks (up to a deadline) rather than dropping; the learner's receiver thread drains
-its socket eagerly and does drop-oldest in its own counted deque (design section 5). Credits are
+its socket eagerly and does drop-oldest in its own counted deque (docs/learner.md, Ready queue). Credits are
 state, not events: a subscriber only ever wants the newest, so losing one is harmless.
 
 What this module does not know: what a pack contains (``common.wire`` codes it), torch, or

@@ -23,7 +23,7 @@ Pack message, one ZMQ multipart message per pack::
     }
 
     Example header (one pack of two image-less segments):
-        {"schema": 1, "ver": 12, "actor": "actor-r0-0", "seq": 41, "created_at": 1718000000.25,
+        {"schema": 2, "ver": 12, "actor": "actor-r0-0", "seq": 41, "created_at": 1718000000.25,
          "n_segments": 2, "n_tokens": 1012, "channel": "B",
          "tensors": [{"name": "input_ids", "dtype": "int64", "shape": [1012]}, ...,
                      {"name": "cu_seqlens", "dtype": "int32", "shape": [3]}, ...],
@@ -63,7 +63,8 @@ import numpy as np
 from common.segment import Pack, SegmentError
 
 #: Version of every message in :mod:`common.protocol`; bump on any incompatible change.
-SCHEMA_VERSION = 1
+#: 2: packs carry pixel_values as uint8 plus pixel_affine (common.segment), not float32.
+SCHEMA_VERSION = 2
 
 #: The only dtypes a buffer frame may carry (wire name -> little-endian numpy dtype).
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -113,7 +114,7 @@ class PackMessage:
 class Credits:
     """What learner rank ``rank`` tells its actors so they stop producing work that would arrive stale.
 
-    Example: ``Credits(schema=1, rank=0, ver_current=12, depth=3, target=8, version_window=2,
+    Example: ``Credits(schema=2, rank=0, ver_current=12, depth=3, target=8, version_window=2,
     received_total=1040, ts=1718000000.5, actors={"actor-r0-0": [41, 2], "actor-r0-1": [17, 1]})``
     — actor-r0-0, having sent seq 0..43, has 2 packs in flight (42, 43) and 2 queued; packs of
     ``ver < 10`` would be dropped as stale on arrival.

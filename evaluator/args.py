@@ -1,8 +1,9 @@
 """The evaluator's command line: the flags, and every problem with them found at once.
 
-``check_args`` names the flag and the fix for each problem (exit 2 in ``evaluator/__main__.py``) and
-resolves ``--model``/``--checkpoint`` to the model directory. What this module does not know: how the
-evaluation runs (``evaluator/run.py``); it imports nothing heavy, so ``--help`` stays instant.
+``check_args`` names the flag and the fix for each problem (exit 2 in ``evaluator/__main__.py``),
+resolves ``--model``/``--checkpoint`` to the model directory and picks the config (:func:`default_config`).
+What this module does not know: how the evaluation runs (``evaluator/run.py``); it imports nothing heavy,
+so ``--help`` stays instant.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = cli.parser("python -m evaluator", DESCRIPTION)
     ap.add_argument("--model", help="HF model directory (tokenizer + weights the own server loads)")
     ap.add_argument("--checkpoint", help="a learner checkpoint RUN/checkpoints/<step> (its model/ is used)")
-    ap.add_argument("--data", help="validation JSONL (design section 2 records)")
+    ap.add_argument("--data", help="validation JSONL (records of docs/data.md)")
     ap.add_argument("--out", help="output directory for report.json, predictions.png, rollout_server.log")
     ap.add_argument("--url", help="use this running rollout server instead of starting one (its weights, its ver)")
     ap.add_argument("--max-images", type=int, default=None, help="evaluate the first N valid records (default all)")
@@ -32,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=8, help="images per /infer request (default 8)")
     ap.add_argument("--grid", type=int, default=12, help="images drawn in predictions.png (0 = no drawing)")
     ap.add_argument("--image-root", default=None, help="root of relative image paths (default: the JSONL's folder)")
-    ap.add_argument("--config", default=DEFAULT_CONFIG, help=f"config for the own server and the prompts the model was trained with, data.system_prompt / "
-                    f"data.user_prompt (default {DEFAULT_CONFIG})")
+    ap.add_argument("--config", default=None, help="config for the own server and the prompts the model was trained "
+                    "with, data.system_prompt / data.user_prompt (default: for --checkpoint RUN/checkpoints/<step>, "
+                    f"the run's own RUN/run_config.yaml; else the package's {DEFAULT_CONFIG})")
     ap.add_argument("--server-timeout", type=float, default=180.0, help="seconds to wait for GET /health 200")
     ap.add_argument("--infer-timeout", type=float, default=600.0, help="seconds one /infer batch may take")
     ap.add_argument("--overwrite", action="store_true", help="allow an --out that already holds a report.json")
@@ -80,16 +82,26 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--server-timeout", args.server_timeout), ("--infer-timeout", args.infer_timeout)):
         if not value > 0:
             problems.append(f"{flag} {value}: must be > 0 seconds")
-    if args.url:
-        if not args.url.startswith(("http://", "https://")):
-            problems.append(f"--url {args.url}: not an HTTP URL. Fix: e.g. --url http://127.0.0.1:8310")
+    if args.url and not args.url.startswith(("http://", "https://")):
+        problems.append(f"--url {args.url}: not an HTTP URL. Fix: e.g. --url http://127.0.0.1:8310")
+    args.config, args.config_source = default_config(args)
+    if not Path(args.config).is_file():
+        problems.append(f"--config {args.config}: no such file. Fix: pass the YAML config the model was trained with "
+                        "(its prompts; the own rollout server starts from it), e.g. RUN/run_config.yaml")
     else:
-        config = Path(args.config)
-        if not config.is_file() and args.config == DEFAULT_CONFIG and (REPO / DEFAULT_CONFIG).is_file():
-            config = REPO / DEFAULT_CONFIG
-        if config.is_file():
-            args.config = str(config.resolve())
-        else:
-            problems.append(f"--config {args.config}: no such file. Fix: pass the YAML config the own rollout server "
-                            "starts from (e.g. configs/demo_cpu.yaml), or --url for a running server")
+        args.config = str(Path(args.config).resolve())
     return problems
+
+
+def default_config(args: argparse.Namespace) -> tuple[str, str]:
+    """(config path, where it came from): --config as given; else the run's ``run_config.yaml`` when --checkpoint
+    is RUN/checkpoints/<step> (its prompts are the ones the model was trained with); else the package's demo config
+    (found from the package, not the current directory)."""
+    if args.config:
+        return args.config, "--config"
+    if args.checkpoint:
+        run_config = Path(args.checkpoint).resolve().parent.parent / "run_config.yaml"
+        if run_config.is_file():
+            return str(run_config), "the checkpoint's run (run_config.yaml)"
+    why = "no run_config.yaml in the checkpoint's run" if args.checkpoint else "--model has no run to take it from"
+    return str(REPO / DEFAULT_CONFIG), f"the default {DEFAULT_CONFIG} ({why})"

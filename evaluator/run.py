@@ -135,6 +135,18 @@ def config_prompts(config: str) -> Prompts:
     return Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt)
 
 
+def config_coord_mode(config: str) -> str | None:
+    """``data.coord_mode`` of ``--config``: how --data records without their own coord_mode are read (None: each
+    record must carry one). A config that does not load gives None here: the rollout server started with it (or
+    config_prompts) reports its problems."""
+    from common.config import ConfigError, load_config
+
+    try:
+        return load_config(config).data.coord_mode
+    except ConfigError:
+        return None
+
+
 def _checkpoint_info(args: argparse.Namespace) -> dict[str, Any] | None:
     if not args.checkpoint:
         return None
@@ -162,7 +174,9 @@ def summary(result: EvalResult, *, data: str, n_skipped: int, model: str, server
     drawn = f", drawing {out / 'predictions.png'}" if png else ""
     return (f"evaluated {r.n_images} images of {data}{skipped} with {model} at ver {ver} ({server}): "
             f"F1@0.5 {_fmt(r.f1)} (P {_fmt(r.precision)}, R {_fmt(r.recall)}), mAP {_fmt(r.map)}, "
-            f"mAP50 {_fmt(r.map_50)}, parse failures {_fmt(r.parse_failure_rate, True)}, "
+            f"mAP50 {_fmt(r.map_50)}, per-class mAP {_fmt(r.map_per_class)} over {len(r.ap_by_class)} classes"
+            + (f", LVIS AP {_fmt(r.lvis_map)}" if r.lvis_map is not None else "") +
+            f", parse failures {_fmt(r.parse_failure_rate, True)}, "
             f"truncated {_fmt(r.truncated_rate, True)}, objects/image {r.objects_per_image:.2f} "
             f"(GT {r.gt_per_image:.2f}), scores {r.score_source}, {result.elapsed_s:.1f} s. "
             f"Report {out / 'report.json'}{drawn}." + ("".join(f" Note: {n}." for n in r.notes)))
@@ -177,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     servers: list[OwnServer] = []
     client: HttpInfer | None = None
     try:
-        evalset = load_eval_set(args.data, max_images=args.max_images, image_root=args.image_root)
+        evalset = load_eval_set(args.data, max_images=args.max_images, image_root=args.image_root,
+                                coord_mode=config_coord_mode(args.config))
         if not evalset.records:
             first = f"; first: {evalset.skipped[0]}" if evalset.skipped else ""
             raise EvalFailure(f"no usable records in {args.data} ({len(evalset.skipped)} lines skipped{first})")
@@ -205,9 +220,11 @@ def run(args: argparse.Namespace) -> int:
         log.info("evaluating %d images on %s (%s engine, ver %d)", len(evalset.records), client.url, health.engine,
                  health.ver)
 
+        prompts = config_prompts(args.config)
+        log.info("prompts and config: %s, from %s", args.config, getattr(args, "config_source", "--config"))
         result = evaluate_records(evalset.records, client, tokenizer=tokenizer, coord_ids=coord_ids,
                                   image_root=evalset.image_root, max_new_tokens=args.max_new_tokens,
-                                  batch_size=args.batch_size, prompts=config_prompts(args.config))
+                                  batch_size=args.batch_size, prompts=prompts, federated=evalset.federated)
         png = False
         if args.grid > 0:
             from evaluator.draw import draw_predictions
@@ -218,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
             "image_root": evalset.image_root, "n_skipped_lines": len(evalset.skipped),
             "skipped_lines": evalset.skipped, "server": server_info, "ver": result.ver_max,
             "ver_min": result.ver_min, "ver_max": result.ver_max, "decoding": result.sampling,
+            "config": {"path": args.config, "source": getattr(args, "config_source", "--config")},
+            "prompts": {"system": prompts.system, "user": prompts.user},
             "max_images": args.max_images, "batch_size": args.batch_size, "eval_time_s": result.elapsed_s,
             "elapsed_s": time.monotonic() - t0, **result.report.as_dict(), "record": result.record(),
             "images": [im.as_dict() for im in result.images],

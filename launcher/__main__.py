@@ -1,8 +1,9 @@
 """``python -m launcher --config PATH [--dry-run] [dotted overrides]``: the whole topology, supervised.
 
-Validates the config, the GPU split and the output directory (``common/run_dir.py``) before starting anything,
-starts the rollout server, the learner (torchrun) and the actors (logs in ``{output_dir}/logs/``), restarts a dead
-actor or server within the ``launcher.*`` budgets, ends with the learner, then prints the summary and the plot.
+Validates the config, the GPU split, the first training records (``data.on_bad_record``) and the output directory
+(``common/run_dir.py``) before starting anything, starts the rollout server, the learner (torchrun) and the actors
+(logs in ``{output_dir}/logs/``), restarts a dead actor or server within the ``launcher.*`` budgets, ends with the
+learner, then prints the summary and the plot.
 With ``launcher.node_rank=k`` (``learner.nnodes`` > 1) it starts learner node k's share (``launcher/plan.py``).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from common import cli
+from common.dataset.check import start_problems
 from common.run_dir import StartRefused, prepare_start
 from launcher.plan import PlanError, build_plan, node_log_dir, node_of  # light: the config schema, no torch
 
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything starts (no logs yet). Only node 0 (or the only node) moves an overwritten run aside:
         # the other nodes share output_dir (docs/multinode.md) and check it, never moving what node 0 started.
         prepare_start(cfg, move=not args.dry_run and not node_of(cfg))
+        if not args.dry_run and (bad := start_problems(cfg)):  # data.on_bad_record: fail, before any process starts
+            raise PlanError("bad training data:\n" + "\n".join(f"  - {p}" for p in bad))
     except (PlanError, StartRefused) as exc:
         print(f"launcher: {exc}", file=sys.stderr)
         return cli.EXIT_USAGE

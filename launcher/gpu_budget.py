@@ -30,8 +30,10 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
       text layers     T L (b (10 h + 4 i) + 16 h)    what a decoder layer keeps for backward, RMSNorm's fp32
                                                      copies included; gradient checkpointing: T L b h + one layer
       vision layers   the same per patch, for IMAGE_TOKEN_SHARE of T as image tokens (merge² patches each)
-      logits          T V (b + 8)                    logits, their fp32 copy and its gradient: an upper bound
-                                                     (only the supervised rows are projected)
+      logits          loss_head plain: (1 - IMAGE_TOKEN_SHARE) T V (b + 8)   logits, their fp32 copy and its
+                                                     gradient for every text token: an upper bound (only the
+                                                     supervised rows, the answers, are projected)
+                      loss_head chunked: 4 CHUNK_BYTES   one vocabulary slice's working set (learner/loss.py)
     fixed                       1.5 GiB    CUDA context, cuBLAS workspaces, allocator slack (FIXED_BYTES)
 
 The server's share is ``gpu_memory_utilization`` × total (vLLM keeps its weights, activations, KV cache
@@ -56,7 +58,7 @@ import math
 import re
 import struct
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.config import Config
@@ -66,6 +68,8 @@ log = logging.getLogger("tandem.launcher")
 GIB = 1 << 30
 FIXED_BYTES = 3 * GIB // 2
 SERVER_FLOOR_BYTES = 2 * GIB  # a vLLM share below its weights + this (activations, CUDA graphs, a little KV cache) is no use
+#: learner/loss.py CHUNK_BYTES (this module imports no torch; tests/test_gpu_budget.py checks they agree).
+CHUNK_BYTES = 256 * 2**20
 IMAGE_TOKEN_SHARE = 0.25  # detection samples: a 448 px image is 256 tokens beside a few hundred answer tokens
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto = bf16 on CUDA (learner/model.py)
 
@@ -176,9 +180,17 @@ def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
     terms["activations"] = int(_stack_bytes(tokens, shape.layers, shape.hidden, shape.intermediate, b, ckpt)
                                + _stack_bytes(patches, shape.vision_layers, shape.vision_hidden,
                                               shape.vision_intermediate, b, ckpt)
-                               + tokens * shape.vocab * (b + 8))
+                               + _logits_bytes(t.loss_head, tokens, shape.vocab, b))
     terms["fixed"] = FIXED_BYTES
     return terms
+
+
+def _logits_bytes(loss_head: str, tokens: int, vocab: int, b: int) -> float:
+    """The loss head's share of the activations (module docstring). Measured (docs/benchmarks.md section 20, 3b,
+    12000 tokens, H100): the chunked head's step peaked 0.8 GiB below the plain head's."""
+    if loss_head == "chunked":
+        return 4 * CHUNK_BYTES
+    return (1 - IMAGE_TOKEN_SHARE) * tokens * vocab * (b + 8)
 
 
 def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int) -> dict[str, int]:
@@ -240,12 +252,23 @@ def refusal(cfg: Config, shape: ModelShape, total: int, gpus: list[int]) -> str 
         f"{cfg.model.dtype}: {states}; activations {_gib(need['activations'])} for one packed forward of "
         f"{t.global_max_length} tokens{sync}; {_gib(need['fixed'])} fixed",
         "Change one of:",
+    ]
+    ckpt_line, ckpt_fits = None, False
+    if not t.gradient_checkpointing:  # at the operating point the one setting that fixes it: then it leads the list
+        with_ckpt = sum(learner_need(replace(cfg, training=replace(t, gradient_checkpointing=True)), shape).values())
+        ckpt_fits = with_ckpt <= total - server
+        ckpt_line = ("  training.gradient_checkpointing: true (keeps one activation per layer, recomputes the rest): the "
+                     f"learner then needs about {_gib(with_ckpt)}" + (", which fits: this alone is enough" if ckpt_fits
+                                                                      else ""))
+        if ckpt_fits:
+            lines.append(ckpt_line)
+    lines += [
         f"  rollout_server.gpu_memory_utilization: now {srv.gpu_memory_utilization}; {util_fix}",
         f"  training.global_max_length: now {t.global_max_length} tokens per packed forward, what the activations scale "
         f"with (training.per_device_train_batch_size, now {t.per_device_train_batch_size}, only fills A packs up to it)",
     ]
-    if not t.gradient_checkpointing:
-        lines.append("  training.gradient_checkpointing: true (keeps one activation per layer, recomputes the rest)")
+    if ckpt_line is not None and not ckpt_fits:
+        lines.append(ckpt_line)
     if "overlap snapshot" in need:
         lines.append("  stage2_ab.channel_b.async.sync_mode: blocking (no snapshot copy of the weights)")
     if cfg.learner.parallel != "fsdp" or not cfg.learner.fsdp.cpu_offload:

@@ -32,6 +32,11 @@ from common.config_learner import is_loopback
 from launcher.gpu_budget import shared_gpu_refusal
 
 
+#: torchrun takes a script; an absolute one, so `tandem launch` works from any directory (the processes inherit
+#: the caller's cwd, against which the config's own relative paths resolve, as for every other entry point).
+LEARNER_SCRIPT = str(Path(__file__).resolve().parents[1] / "learner" / "main.py")
+
+
 class PlanError(ValueError):
     """The config describes a topology that cannot run on this machine."""
 
@@ -132,7 +137,7 @@ def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Pat
         raise PlanError("rollout_server.engine is vllm but rollout_server.gpus is empty: list the server's GPUs")
     if (why := node_refusal(cfg, start_server) or shared_gpu_refusal(cfg)) is not None:  # now, not an OOM later
         raise PlanError(why)
-    common = ["--config", config_path, *overrides]
+    common = ["--config", str(Path(config_path).resolve()), *overrides]
     specs: list[ProcessSpec] = []
     if start_server and not node_of(cfg):  # node 0 (or the only node) starts the server; the others call it
         url = cfg.rollout_matching.vllm.servers[0].base_url.rstrip("/")
@@ -142,7 +147,7 @@ def build_plan(cfg: Config, config_path: str, overrides: list[str], log_dir: Pat
             env=_gpu_env(srv.gpus), log=log_dir / "rollout_server.log", health_url=f"{url}/health",
             max_restarts=max(0, cfg.launcher.max_server_restarts), restart_backoff_s=cfg.launcher.restart_backoff_s,
         ))
-    learner_argv = [python, "-m", "torch.distributed.run", *torchrun_args(cfg), "learner/main.py", *common]
+    learner_argv = [python, "-m", "torch.distributed.run", *torchrun_args(cfg), LEARNER_SCRIPT, *common]
     specs.append(ProcessSpec(name="learner", role="learner", argv=learner_argv,
                              env={**_gpu_env(lrn.gpus), "OMP_NUM_THREADS": "1"} if not lrn.gpus else _gpu_env(lrn.gpus),
                              log=log_dir / "learner.log"))

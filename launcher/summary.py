@@ -2,7 +2,8 @@
 
 Reads ``{run}/metrics.jsonl`` (rank 0: one step record per optimizer step, with evaluation records
 ``{"record": "eval", ...}`` interleaved), the final checkpoint's ``trainer_state.json`` where the run
-wrote one, ``run_config.yaml`` (only to say why there is no evaluation) and the launcher's exit codes.
+wrote one, ``run_config.yaml`` (to say why there is no evaluation, and ``training.keep_best``), the
+checkpoint directories (the best one still on disk) and the launcher's exit codes.
 Knows nothing about how the numbers were produced.
 """
 
@@ -172,8 +173,15 @@ def learner_resources(records: list[dict[str, Any]]) -> dict[str, Any]:
         rows = [r[key] for r in records if isinstance(r.get(key), list)]
         width = max((len(row) for row in rows), default=0)
         peaks[name] = [max(row[i] for row in rows if i < len(row)) for i in range(width)] if rows else None
+    def median_of(key: str) -> float | None:  # the first record (start-up sync, CUDA init) left out where there are more
+        xs = [float(r[key]) for r in records[1:] or records if isinstance(r.get(key), (int, float))]
+        return statistics.median(xs) if xs else None
+
     return {"parallel": str(records[-1].get("learner/parallel", "ddp")),
-            "step_time_median_s": statistics.median(times) if times else None, "peak_memory_gb_by_rank": peaks}
+            "step_time_median_s": statistics.median(times) if times else None, "peak_memory_gb_by_rank": peaks,
+            "tokens_per_s_median": median_of("throughput/tokens_per_s"), "mfu_median": median_of("throughput/mfu"),
+            "peak_tflops": records[-1].get("throughput/peak_tflops"),
+            "peak_source": records[-1].get("throughput/peak_source")}
 
 
 def rollout_totals(b_records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -195,7 +203,7 @@ def rollout_totals(b_records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 #: The evaluation keys the summary keeps (``eval/<name>`` in the record, ``<name>`` in summary.json).
-EVAL_KEYS = ("precision", "recall", "f1", "map", "map_50", "parse_failure_rate", "truncated_rate",
+EVAL_KEYS = ("precision", "recall", "f1", "map", "map_50", "map_per_class", "parse_failure_rate", "truncated_rate",
              "objects_per_image", "gt_per_image", "n_images", "mean_matched_iou", "ver")
 
 
@@ -267,6 +275,8 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
         _learner_line(s, f),
         *_eval_lines(s.get("eval"), s.get("val_jsonl"), f),
+        *([f"best checkpoint        step {b['step']} ({b['metric']} {f(b['value'])}): {b['path']}"]
+          if (b := s.get("best_checkpoint")) else []),
     ]
     if wall_s is not None:
         lines.append(f"wall time              {wall_s:.1f} s")
@@ -280,7 +290,13 @@ def _learner_line(s: dict[str, Any], f: Any) -> str:
     labels = {"allocated": "GPU allocated", "reserved": "GPU reserved", "rss": "host RSS"}
     peaks = s.get("peak_memory_gb_by_rank") or {}
     mem = [f"{labels[k]} {' / '.join(f'{g:.2f}' for g in peaks[k])} GiB" for k in MEMORY_NAMES if peaks.get(k)]
-    return (f"learner                {s.get('parallel', 'ddp')}, step {f(s.get('step_time_median_s'))} s median"
+    rate = ""
+    if s.get("tokens_per_s_median") is not None:
+        rate = f", {s['tokens_per_s_median']:,.0f} tokens/s median"
+        if s.get("mfu_median") is not None:
+            rate += (f", MFU {100 * s['mfu_median']:.1f} % (of {s['peak_tflops']:.1f} TFLOP/s, "
+                     f"{s.get('peak_source') or 'measured'})")
+    return (f"learner                {s.get('parallel', 'ddp')}, step {f(s.get('step_time_median_s'))} s median{rate}"
             + (f"; peak per rank: {', '.join(mem)}" if mem else ""))
 
 
@@ -318,16 +334,35 @@ def _eval_lines(ev: dict[str, Any] | None, val_jsonl: Any, f: Any) -> list[str]:
     ]
 
 
-def _val_jsonl(run_dir: Path) -> Any:
-    """``data.val_jsonl`` from the run's ``run_config.yaml``: the path, False when unset, None when unknown."""
+def _run_config_section(run_dir: Path, section: str) -> dict[str, Any] | None:
+    """One section of the run's ``run_config.yaml`` as written; None when the file or the section is unreadable."""
     import yaml  # omegaconf's own dependency
 
     try:
         cfg = yaml.safe_load((Path(run_dir) / "run_config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return None
-    data = cfg.get("data") if isinstance(cfg, dict) else None
-    return (data.get("val_jsonl") or False) if isinstance(data, dict) else None
+    data = cfg.get(section) if isinstance(cfg, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _val_jsonl(run_dir: Path) -> Any:
+    """``data.val_jsonl`` from the run's ``run_config.yaml``: the path, False when unset, None when unknown."""
+    data = _run_config_section(run_dir, "data")
+    return (data.get("val_jsonl") or False) if data is not None else None
+
+
+def best_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The run's best checkpoint still on disk by ``training.keep_best`` (eval/f1 when unset): step, metric,
+    value, path (common/retention.py: an evaluation counts for the checkpoint of its step); None without one."""
+    from common.retention import find_best
+
+    keep_best = (_run_config_section(run_dir, "training") or {}).get("keep_best") or "eval/f1"
+    try:
+        best = find_best(run_dir, keep_best)
+    except ValueError:  # a run_config.yaml of another version naming a metric this one does not know
+        return None
+    return best.as_dict() if best is not None else None
 
 
 def _pct(x: float | None) -> str:
@@ -342,6 +377,7 @@ def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[s
     s = summarize(records, read_final_state(run_dir, records, by_kind["end"]), evals)
     if s.get("steps"):
         s["val_jsonl"] = _val_jsonl(run_dir)
+        s["best_checkpoint"] = best_checkpoint(run_dir)
     if wall_s is not None:
         s["wall_s"] = wall_s
     if exit_codes is not None:

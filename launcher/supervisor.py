@@ -47,6 +47,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,10 @@ def tail(path: Path | None, n: int = 25) -> str:
 
 class Supervisor:
     def __init__(self, specs: list[ProcessSpec], *, health_timeout_s: float, grace_s: float = 20.0,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, on_tick: Callable[[], Any] | None = None) -> None:
+        """``on_tick``: called every loop turn (0.2 s) while the learner runs (the console progress line)."""
         self.specs = specs
+        self.on_tick = on_tick
         self.health_timeout_s = health_timeout_s
         self.grace_s = grace_s
         self.cwd = cwd
@@ -239,6 +242,8 @@ class Supervisor:
                     if rc != 0:
                         failure = f"learner exited with {rc}; log tail ({learner.spec.log}):\n{tail(learner.spec.log)}"
                     break
+                if self.on_tick is not None:
+                    self.on_tick()
                 time.sleep(0.2)
         except KeyboardInterrupt:
             failure = f"interrupted by signal {self._interrupted}"
@@ -278,7 +283,10 @@ def supervise(cfg: Any, specs: list[ProcessSpec], *, grace_s: float) -> int:
     """Run ``specs`` to the end, record them (:func:`launcher.plan.record_path`), then report: the run summary and
     plot on node 0 or the only node, this node's exit codes on node k > 0 (its metrics are node 0's). The exit code
     of :meth:`Supervisor.run`."""
-    sup = Supervisor(specs, health_timeout_s=cfg.rollout_matching.vllm.timeout_s, grace_s=grace_s)
+    from launcher.progress import console_progress
+
+    on_tick = None if node_of(cfg) else console_progress(cfg).tick  # node 0 holds the metrics
+    sup = Supervisor(specs, health_timeout_s=cfg.rollout_matching.vllm.timeout_s, grace_s=grace_s, on_tick=on_tick)
     t0 = time.monotonic()
     code = sup.run()
     out = Path(cfg.training.output_dir)

@@ -21,7 +21,10 @@ Example (demo: packing_length 1024, samples of 77-140 tokens, GA 2): about 18 sa
 mean fill 0.96, against 8 samples and 0.42 when a window took per_device × GA of them.
 
 A sample longer than ``packing_length`` never reaches a pack: the Encoder refuses it and it is
-counted in ``too_long_dropped`` (an invalid record in ``record_errors``), and the next is drawn.
+counted in ``too_long_dropped``, and the next is drawn. A record that breaks the contract (docs/data.md)
+or whose image is missing follows ``data.on_bad_record`` (common/dataset/check.py): ``fail`` raises
+naming the record (the learner checked the first records before it started), ``skip`` counts it in
+``record_errors``, logs each kind once, and draws the next.
 
 Sample ids are ``A:<record id or line>@<epoch>``. The sampler position (epoch, index within the
 epoch) and the carry's (epoch, line) references are the checkpointed state: a resumed run draws
@@ -38,16 +41,14 @@ What this module does not know: ranks beyond (rank, world), models, the loss's n
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from common.assistant_json import canonical_order, load_record
+from common.dataset.check import BadRecords, check_images
 from common.segment import Pack, Segment
 from common.targets import channel_a_target
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class ChannelAData:
         self._order: list[int] = self._epoch_order(0)
         self.carry: list[tuple[_Ref, Segment]] = []
         self.counters = {"samples_drawn": 0, "too_long_dropped": 0, "record_errors": 0, "window_carry": 0}
+        self.bad_records = BadRecords(cfg.data.on_bad_record, str(path))
 
     def _epoch_order(self, epoch: int) -> list[int]:
         from torch.utils.data import DistributedSampler  # the standard sharding rule, so A data matches any DDP trainer
@@ -99,14 +101,16 @@ class ChannelAData:
         where = f"{self.source}:{ref.line + 1}"
         try:
             raw = json.loads(self.lines[ref.line])
-            record = load_record(raw, where=where)
+            record = load_record(raw, where=where, coord_mode=self.cfg.data.coord_mode)
+            # existence only: opening every image twice per draw would double the decode cost
+            check_images(record, self.encoder.image_root or ".", where, open_images=False)
             target = channel_a_target(
                 canonical_order(record.objects), self.encoder.tokenizer,
                 desc_ce_weight=self.cfg.stage2_ab.desc_ce_weight, coord_ids=self.encoder.coord_ids,
             )
-        except ValueError as exc:  # RecordError / TargetError: a bad record must not stop training
+        except ValueError as exc:  # RecordError / TargetError / JSONDecodeError
             self.counters["record_errors"] += 1
-            log.error("Channel-A record %s skipped: %s", where, exc)
+            self.bad_records.handle(exc)  # data.on_bad_record: fail raises here
             return None
         sample_id = f"A:{record.id if record.id is not None else ref.line}@{ref.epoch}"
         before = self.encoder.counters["too_long_dropped"]

@@ -56,7 +56,7 @@ class PeriodicEval:
 
         self.cfg = cfg
         self.evalset = load_eval_set(cfg.data.val_jsonl, max_images=cfg.training.eval_max_images,
-                                     image_root=cfg.data.image_root)
+                                     image_root=cfg.data.image_root, coord_mode=cfg.data.coord_mode)
         for problem in self.evalset.skipped[:5]:
             log.warning("validation record skipped: %s", problem)
         if not self.evalset.records:
@@ -113,6 +113,7 @@ class PeriodicEval:
                 self.evalset.records, client, tokenizer=self.tokenizer, coord_ids=self.coord_ids,
                 image_root=self.evalset.image_root, max_new_tokens=rm.decoding.max_new_tokens,
                 batch_size=min(len(self.evalset.records), self.cfg.rollout_server.max_batch_items), prompts=self.prompts,
+                federated=self.evalset.federated,
             )
         except Exception as exc:  # an evaluation must never take the learner down
             self.counts["eval/failures"] += 1

@@ -20,6 +20,19 @@ fill weigh the same per supervised token, and summing the per-pack values of one
 step's loss. ``Normaliser.scale`` (the world size) undoes DDP's gradient averaging, so the
 all-reduced gradient is the gradient of the global loss.
 
+Two heads compute the same terms (``training.loss_head``):
+
+- ``plain`` (:func:`pack_loss`): from the logits ``[N, V]`` of the N supervised rows, as the model's
+  LM head returns them (model dtype), upcast to float32 for the softmax.
+- ``chunked`` (:func:`head_loss`): from the hidden states ``[N, H]`` of those rows and the LM head
+  weight ``[V, H]``. The full-vocabulary cross-entropies (CE, coord CE) go through
+  :func:`linear_cross_entropy`, which walks the vocabulary in slices and recomputes each slice's
+  logits in backward, so at most ``[N, slice]`` float logits exist at a time (never ``[N, V]``: at
+  V = 151,936 and N = 4,000 rows the plain head keeps 2.4 GB of float32 log-probabilities for backward,
+  beside the model-dtype logits, and makes as much again for their gradient). The
+  geometry terms read only the 1000 coord columns, ``hidden @ W[coord_ids].T`` (``[Nk, 1000]``),
+  so the coord-bin expectation is the same arithmetic as the plain head's.
+
 What this module does not know: models, packs on the wire, or ranks (the caller all-reduces the
 counts before building the :class:`Normaliser`).
 """
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,23 +173,63 @@ def pack_loss(
     nc = rows.n_ce
     ce_logits, coord_logits = logits[:nc], logits[nc:]
     zero = logits.sum() * 0.0  # keeps the graph connected when a term has nothing to supervise
+    ce = coord_ce = None
     if nc and norm.ce_tokens > 0:
         ce_tok = F.cross_entropy(ce_logits.float(), rows.ce_targets, reduction="none")
         ce = (ce_tok * rows.ce_weights.to(ce_tok.device)).sum() / norm.ce_tokens
-    else:
-        ce = zero
-    if rows.n_boxes and norm.boxes > 0:
-        pred = expected_coords(coord_logits.index_select(-1, coord_ids), weights.temperature)
+    if _coord_ce_on(rows, norm, weights):
+        targets = coord_ids.to(coord_logits.device)[rows.coord_bins.to(coord_logits.device)]
+        coord_ce = F.cross_entropy(coord_logits.float(), targets, reduction="sum") / (4 * norm.boxes)
+    coord_sel = coord_logits.index_select(-1, coord_ids) if _geometry_on(rows, norm) else None
+    return _terms(ce, coord_sel, coord_ce, zero, rows, norm, weights)
+
+
+def head_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, rows: Rows, coord_ids: torch.Tensor, norm: Normaliser,
+    weights: LossWeights, *, chunk_bytes: int | None = None,
+) -> LossTerms:
+    """:func:`pack_loss` of the logits ``hidden @ weight.T`` without making them (the ``chunked`` head).
+
+    ``hidden [len(rows.all_src), H]``: the final hidden states at :meth:`Rows.all_src` (what the LM head
+    would project); ``weight [V, H]``: the LM head weight (the tied input embedding where the model ties
+    them), both in the model's dtype. ``chunk_bytes``: see :func:`linear_cross_entropy`.
+    """
+    nc = rows.n_ce
+    h_ce, h_coord = hidden[:nc], hidden[nc:]
+    zero = (hidden.sum() + weight[0].sum()) * 0.0  # as pack_loss's: every input gets a (zero) gradient
+    ce = coord_ce = None
+    if nc and norm.ce_tokens > 0:
+        ce_tok = linear_cross_entropy(h_ce, weight, rows.ce_targets, chunk_bytes=chunk_bytes)
+        ce = (ce_tok * rows.ce_weights.to(ce_tok.device)).sum() / norm.ce_tokens
+    coord_ids = coord_ids.to(weight.device)
+    if _coord_ce_on(rows, norm, weights):
+        targets = coord_ids[rows.coord_bins.to(weight.device)]
+        coord_ce = linear_cross_entropy(h_coord, weight, targets, chunk_bytes=chunk_bytes).sum() / (4 * norm.boxes)
+    # [Nk, 1000]: all the geometry reads, the same numbers as the plain head's columns at coord_ids
+    coord_sel = h_coord @ weight.index_select(0, coord_ids).T if _geometry_on(rows, norm) else None
+    return _terms(ce, coord_sel, coord_ce, zero, rows, norm, weights)
+
+
+def _geometry_on(rows: Rows, norm: Normaliser) -> bool:
+    return bool(rows.n_boxes) and norm.boxes > 0
+
+
+def _coord_ce_on(rows: Rows, norm: Normaliser, weights: LossWeights) -> bool:
+    return weights.coord_ce > 0 and _geometry_on(rows, norm)
+
+
+def _terms(ce: torch.Tensor | None, coord_logits: torch.Tensor | None, coord_ce: torch.Tensor | None,
+           zero: torch.Tensor, rows: Rows, norm: Normaliser, weights: LossWeights) -> LossTerms:
+    """The geometry terms from the coord rows' 1000 coord logits, and the weighted total (None: nothing there)."""
+    ce = zero if ce is None else ce
+    coord_ce = zero if coord_ce is None else coord_ce
+    if coord_logits is not None:
+        pred = expected_coords(coord_logits, weights.temperature)
         gt = rows.coord_bins.to(pred.device).float() / (NUM_COORD_BINS - 1)
         sl1 = torch.nan_to_num(F.smooth_l1_loss(pred, gt, reduction="sum", beta=1.0)) / (4 * norm.boxes)
         ciou = ciou_loss(pred.view(-1, 4), gt.view(-1, 4)).sum() / norm.boxes
     else:
         sl1 = ciou = zero
-    if weights.coord_ce > 0 and rows.n_boxes and norm.boxes > 0:
-        targets = coord_ids.to(coord_logits.device)[rows.coord_bins.to(coord_logits.device)]
-        coord_ce = F.cross_entropy(coord_logits.float(), targets, reduction="sum") / (4 * norm.boxes)
-    else:
-        coord_ce = zero
     total = ce + weights.smoothl1 * sl1 + weights.ciou * ciou + weights.coord_ce * coord_ce
     return LossTerms(
         backward=total * norm.scale,
@@ -185,3 +239,74 @@ def pack_loss(
         bbox_ciou=float(ciou.detach()),
         coord_ce=float(coord_ce.detach()),
     )
+
+
+# --------------------------------------------------------------------------------------------- chunked CE
+
+#: What one vocabulary slice of :func:`linear_cross_entropy` may hold as float32 logits ``[N, slice]``. The
+#: slice's transient working set is ~4x that (model-dtype logits, float32 copy, softmax, its gradient).
+CHUNK_BYTES = 256 * 2**20
+
+
+def vocab_slice(n_rows: int, vocab: int, chunk_bytes: int | None = None) -> int:
+    """Vocabulary columns per slice for ``n_rows`` rows: the whole vocabulary if it fits ``chunk_bytes``, else what
+    fits, rounded down to a multiple of 256 from 2,048 up (matmul-friendly). Example: 4,000 rows, V = 151,936,
+    256 MiB -> 16,640 columns, 10 slices."""
+    budget = CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
+    cols = max(1, min(vocab, budget // (4 * max(1, n_rows))))
+    return cols - cols % 256 if 2048 <= cols < vocab else cols
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         ignore_index: int = IGNORE_INDEX, chunk_bytes: int | None = None) -> torch.Tensor:
+    """Per-row ``cross_entropy(hidden @ weight.T, targets)`` as float32 ``[N]`` (0 where ``targets == ignore_index``),
+    never holding more than one vocabulary slice of logits (:func:`vocab_slice`).
+
+    Forward keeps each row's log-sum-exp (``[N]``); backward recomputes each slice's logits, so the gradient of
+    ``weight`` is one matmul per slice (no accumulation across slices) and that of ``hidden`` a float32 ``[N, H]``
+    sum over slices. The logits are rounded to the model dtype before the float32 softmax, as the plain head's are.
+    """
+    return _LinearCrossEntropy.apply(hidden, weight, targets, int(ignore_index),
+                                     vocab_slice(hidden.shape[0], weight.shape[0], chunk_bytes))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                cols: int) -> torch.Tensor:
+        valid = targets != ignore_index
+        safe = torch.where(valid, targets, 0)
+        n = hidden.shape[0]
+        lse = torch.full((n,), -math.inf, device=hidden.device, dtype=torch.float32)
+        picked = torch.zeros(n, device=hidden.device, dtype=torch.float32)
+        for lo in range(0, weight.shape[0], cols):
+            z = (hidden @ weight[lo : lo + cols].T).float()
+            lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
+            here = (safe >= lo) & (safe < lo + z.shape[1])
+            local = (safe - lo).clamp(0, z.shape[1] - 1)
+            picked += torch.where(here, z.gather(1, local[:, None])[:, 0], 0.0)
+        ctx.save_for_backward(hidden, weight, safe, valid, lse)
+        ctx.cols = cols
+        return torch.where(valid, lse - picked, 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, safe, valid, lse = ctx.saved_tensors
+        cols = ctx.cols
+        g = torch.where(valid, grad_loss.float(), 0.0)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if want_h else None
+        grad_w = torch.empty_like(weight) if want_w else None
+        for lo in range(0, weight.shape[0], cols):
+            w = weight[lo : lo + cols]
+            z = (hidden @ w.T).float()
+            dz = torch.exp(z - lse[:, None]) * g[:, None]  # softmax · dL/dloss
+            here = valid & (safe >= lo) & (safe < lo + z.shape[1])
+            dz[rows[here], safe[here] - lo] -= g[here]  # minus the one-hot target
+            dz = dz.to(hidden.dtype)  # the plain head's logits gradient is cast back to the model dtype too
+            if want_h:
+                grad_h += (dz @ w).float()
+            if want_w:
+                grad_w[lo : lo + cols] = dz.T @ hidden
+        return (grad_h.to(hidden.dtype) if want_h else None), grad_w, None, None, None

@@ -2,8 +2,9 @@
 
 Each rank fills one :class:`RankStats` per step; :func:`gather_stats_record` all-gathers them as one
 fixed-length float vector (one collective, every rank, every step) and rank 0 turns them into one
-JSONL record (``{training.output_dir}/metrics.jsonl``, one line per optimizer step), optional
-TensorBoard scalars and a tqdm bar. Keys are ``<area>/<name>``; stalls are ``time/wait_*``.
+JSONL record (``{training.output_dir}/metrics.jsonl``, one line per optimizer step), the same
+numbers to the trackers of ``training.report_to`` (``learner/trackers.py``) and a tqdm bar.
+Keys are ``<area>/<name>``; stalls are ``time/wait_*``.
 
 Aggregation rule: losses are already normalised by step-global counts, so they are *summed* over
 ranks; counters (drops, received, ...) are summed for the ``*_total`` keys and also reported per
@@ -20,15 +21,16 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from common.matching import precision_recall_f1
 from learner.pack_queue import COUNTER_NAMES, REJECTED
+from learner.throughput import mfu
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +211,9 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
         "packing/window_carry": int(total("a_window_carry")),
     }
     rec.update(memory_keys(per_rank))
+    if "throughput/peak_tflops" in facts:  # learner.throughput: every rank's tokens against every rank's peak
+        rec["throughput/mfu"] = mfu(rec["throughput/tokens_per_s"], facts["throughput/lm_params_non_embedding"],
+                                    facts["throughput/peak_tflops"])
     if kind_b and packs:
         rec.update(rollout_keys({k: int(total(f"rollout_{k}")) for k in ROLLOUT_COUNTS}))
     for r, stats in enumerate(per_rank):
@@ -218,7 +223,7 @@ def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], pac
 
 
 class MetricsWriter:
-    """Rank 0's sinks: JSONL (always), TensorBoard (optional), a tqdm bar (optional).
+    """Rank 0's sinks: JSONL (always), the trackers of ``training.report_to`` (learner/trackers.py), a tqdm bar.
 
     Two writers share ``metrics.jsonl``: the training thread (:meth:`write`, one step record per
     optimizer step) and the evaluation thread (:meth:`write_eval`, one ``"record": "eval"`` line per
@@ -227,10 +232,13 @@ class MetricsWriter:
     carries the run's ``run_id`` (``common/checkpoints.py``), so lines of two runs can never be confused.
     """
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, progress: bool,
-                 start_step: int, max_steps: int, run_id: str | None = None) -> None:
+    def __init__(self, output_dir: str | Path, *, enabled: bool, progress: bool, start_step: int, max_steps: int,
+                 run_id: str | None = None, report_to: Sequence[str] = (), run_name: str = "tandem",
+                 config: dict[str, Any] | None = None) -> None:
+        """``report_to``: ``training.report_to`` (learner/trackers.py), opened here on rank 0 only."""
         self.enabled, self.run_id = enabled, run_id
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._bar = None
+        self._trackers: list[Any] = []
         self._lock = threading.Lock()
         if not enabled:
             return
@@ -239,14 +247,10 @@ class MetricsWriter:
         self.path = out / "metrics.jsonl"
         set_aside_superseded(self.path, start_step)
         self._jsonl = self.path.open("a", encoding="utf-8")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        if report_to:
+            from learner.trackers import open_trackers
 
-                self._tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError:
-                log.warning("training.tensorboard: true but the tensorboard package is missing "
-                            "(pip install tensorboard); writing metrics.jsonl only")
+            self._trackers = open_trackers(report_to, out, run_name=run_name, run_id=run_id, config=config)
         if progress:
             from tqdm import tqdm
 
@@ -284,23 +288,31 @@ class MetricsWriter:
             self._append({"record": "end", **{k: v for k, v in record.items() if k != "record"}})
 
     def _append(self, record: dict[str, Any]) -> None:
-        """One JSON line (flushed) and its finite numeric values as TensorBoard scalars; caller holds the lock."""
+        """One JSON line (flushed) and its finite numeric values to every tracker; caller holds the lock."""
         if self._jsonl is None:  # an evaluation that finished after close(): say so rather than raise in its thread
             log.warning("metrics record of step %s arrived after the writer closed; not written", record.get("step"))
             return
         self._jsonl.write(json.dumps({**record, "run_id": self.run_id}, default=_plain) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, record["step"])
+        if self._trackers and isinstance(record.get("step"), int) and record.get("record") in (None, "eval"):
+            from learner.trackers import scalars
+
+            values = scalars(record)
+            for tracker in list(self._trackers):
+                try:
+                    tracker.log(values, record["step"])
+                except Exception as exc:  # noqa: BLE001 - a tracker is a view of metrics.jsonl: never end the run
+                    self._trackers.remove(tracker)
+                    log.error("tracker %s failed at step %s (%s: %s); it gets no more records, metrics.jsonl goes on",
+                              type(tracker).__name__, record["step"], type(exc).__name__, exc)
 
     def close(self) -> None:
         with self._lock:
-            for sink in (self._jsonl, self._tb, self._bar):
+            for sink in (self._jsonl, self._bar, *self._trackers):
                 if sink is not None:
                     sink.close()
-            self._jsonl = self._tb = self._bar = None
+            self._jsonl = self._bar = None
+            self._trackers = []
 
 
 def set_aside_superseded(path: Path, start_step: int) -> Path | None:

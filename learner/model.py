@@ -8,8 +8,9 @@ Packed forward, and how segments are kept apart (transformers 5.23, Qwen2/2.5-VL
     cu_seqlens [S+1] ─► text positions [T] ─────┴──► position_ids [4, 1, T]   row 0 = text positions,
                     │                                                          rows 1..3 = mRoPE (t, h, w)
                     └─► block-diagonal causal ─────► attention_mask [1, 1, T, T]   (sdpa: bool, eager: additive)
-                                                     None for flash_attention_2
-    pixel_values [P, D], image_grid_thw [I, 3] ────► the vision tower (it splits images by grid itself)
+                                                     None for flash_attention_2 and varlen
+    pixel_values [P, D] uint8, pixel_affine [2, D] ─► pixel_values [P, D] = u8 · scale + offset (on the device)
+    image_grid_thw [I, 3] ─────────────────────────► the vision tower (it splits images by grid itself)
 
 ``Qwen2_5_VLTextModel.forward`` takes a 4-row ``position_ids`` as "packed": row 0 (text positions,
 restarting at 0 in every segment) is what the mask builder and flash-attention read to find
@@ -20,14 +21,20 @@ also pass the block-diagonal 4-D mask built from ``cu_seqlens`` ourselves, which
 returns as-is, so isolation does not rest on that heuristic. A 1-row model (no mRoPE) gets
 ``position_ids [1, T]`` and the same mask. ``tests/test_loss.py`` proves the isolation.
 
+``model.attn_implementation: varlen`` (learner/attention.py) builds no mask: each LM layer makes one
+``varlen_attn`` call over the segments that row 0 starts (0 = a segment start), and each vision block one
+over its images or windows; ``tests/test_varlen_attention.py`` proves it equal to sdpa and isolating.
+
 What this module does not know: ranks, queues, or where packs come from.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +43,8 @@ import torch
 
 from common.segment import PackLimits
 from common.tokens import require_coord_tokens
-from learner.loss import Rows, supervised_rows
+from learner import attention
+from learner.loss import LossTerms, LossWeights, Normaliser, Rows, head_loss, pack_loss, supervised_rows
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +57,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bool = False,
-                load_device: torch.device | None = None) -> tuple[torch.nn.Module, Any, list[int]]:
+                load_device: torch.device | None = None, compile: str = "none") -> tuple[torch.nn.Module, Any, list[int]]:
     """(model in train mode, tokenizer, coord ids) from ``model.path``.
 
     ``device`` is where it computes (``model.dtype: auto`` resolves against it); the weights are put on
     ``load_device`` (default ``device``): the CPU under FSDP2, which moves them block by block while
-    sharding (``learner.parallel.load_device``).
+    sharding (``learner.parallel.load_device``). ``compile``: ``training.compile`` (:func:`compile_blocks`).
     """
     from transformers import AutoModelForImageTextToText, AutoTokenizer  # heavy: deferred
 
@@ -62,8 +70,9 @@ def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bo
     coord_ids = require_coord_tokens(tokenizer, model_cfg.path) if model_cfg.coord_tokens else []
     dtype = resolve_dtype(model_cfg.dtype, device)
     model = AutoModelForImageTextToText.from_pretrained(
-        model_cfg.path, dtype=dtype, attn_implementation=model_cfg.attn_implementation
+        model_cfg.path, dtype=dtype, attn_implementation=attention.load_name(model_cfg.attn_implementation)
     )
+    attention.apply(model, model_cfg.attn_implementation)
     vocab = model.get_output_embeddings().weight.shape[0]
     if coord_ids and max(coord_ids) >= vocab:
         raise ValueError(
@@ -72,9 +81,31 @@ def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bo
         )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile == "blocks":
+        compile_blocks(model)
     model.config.use_cache = False
     model.to(load_device or device).train()
     return model, tokenizer, coord_ids
+
+
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """``training.compile: blocks``: ``torch.compile`` each vision block and decoder layer in place (regional
+    compilation, as torchtitan does: one compiled graph serves every layer of a kind, so compile time does
+    not grow with depth, and the elementwise work between the matmuls fuses into few kernels). Done before
+    DDP/FSDP2 wrap the model, whose hooks stay on the blocks. Returns how many blocks were compiled.
+
+    At the operating point on an H100 it took a 3b step from 1.82 to 1.11 s (docs/benchmarks.md section 20);
+    the first steps pay the compilation. ``backend``: tests use ``eager`` (the wiring without inductor's
+    minutes of C++ builds on a CPU)."""
+    inner = getattr(model, "model", model)
+    blocks = [*getattr(getattr(inner, "visual", None), "blocks", ()),
+              *getattr(getattr(inner, "language_model", None), "layers", ())]
+    if not blocks:
+        raise ValueError(f"training.compile: blocks found no vision blocks or decoder layers in "
+                         f"{type(model).__name__}. Fix: set training.compile: none for this model")
+    for block in blocks:
+        block.compile(backend=backend)
+    return len(blocks)
 
 
 # --------------------------------------------------------------------------------------------- packs
@@ -98,12 +129,13 @@ def text_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
-    """``[1, 1, T, T]`` causal mask that only lets a token see its own segment (None for FA2).
+    """``[1, 1, T, T]`` causal mask that only lets a token see its own segment (None for FA2 and varlen,
+    which find the segments from the text positions: learner/attention.py).
 
     sdpa takes the boolean form (True = attend); eager adds the mask to the scores, so it gets 0
     and the dtype's most negative value.
     """
-    if attn_implementation == "flash_attention_2":
+    if attn_implementation in attention.MASKLESS:
         return None
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     seg = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
@@ -135,15 +167,21 @@ def pack_inputs(
     if mask is not None:
         kwargs["attention_mask"] = mask.to(device)
     if t["image_grid_thw"].shape[0]:
-        kwargs["pixel_values"] = t["pixel_values"].to(device=device, dtype=dtype)
+        # uint8 crosses to the device (a quarter of float32's bytes); the processor's affine normalisation runs there
+        scale, offset = t["pixel_affine"].to(device)
+        kwargs["pixel_values"] = (t["pixel_values"].to(device).float() * scale + offset).to(dtype)
         kwargs["image_grid_thw"] = t["image_grid_thw"].to(device)
     rows = supervised_rows(t["labels"], t["coord_pos"], t["coord_bins"], t["weights"])
     rows = Rows(*(x.to(device) for x in (rows.ce_src, rows.ce_targets, rows.ce_weights, rows.coord_src, rows.coord_bins)))
     return PackInputs(kwargs, rows, n_tokens=int(t["input_ids"].shape[0]), n_segments=int(cu.shape[0] - 1))
 
 
-def forward_rows(model: torch.nn.Module, inputs: PackInputs) -> torch.Tensor:
+def forward_rows(model: torch.nn.Module, inputs: PackInputs,
+                 head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Logits ``[N, V]`` at ``inputs.rows.all_src`` only: one packed forward, the vocab projection on N rows.
+
+    With ``head``, the vocab projection does not run: ``head(hidden [N, H], weight [V, H])`` runs in its place
+    and its result comes back instead of the logits (:func:`forward_loss`'s chunked head).
 
     A pack without images (not made by tandem's actors, whose records always carry one, but valid on
     the wire) would leave the vision tower without gradients, and DDP (``find_unused_parameters``
@@ -166,16 +204,73 @@ def forward_rows(model: torch.nn.Module, inputs: PackInputs) -> torch.Tensor:
 
             hook = lm.register_forward_pre_hook(vision_first)
     try:
-        out = model(**inputs.model_kwargs, logits_to_keep=inputs.rows.all_src, use_cache=False)
+        with _head_in_place(model, head):
+            out = model(**inputs.model_kwargs, logits_to_keep=inputs.rows.all_src, use_cache=False)
     finally:
         if hook is not None:
             hook.remove()
-    logits = out.logits[0]
+    logits = out.logits[0] if head is None else out.logits
     if zero_needed:
         zero = early[0] if early else zero_vision_term(model)
         if zero is not None:
             logits = logits + zero.to(logits.dtype)
     return logits
+
+
+def forward_loss(model: torch.nn.Module, inputs: PackInputs, coord_ids: torch.Tensor, norm: Normaliser,
+                 weights: LossWeights, loss_head: str = "plain", *, chunk_bytes: int | None = None) -> LossTerms:
+    """One pack's packed forward and loss (``training.loss_head``); ``.backward`` is what to back-propagate.
+
+    ``plain``: :func:`forward_rows` then :func:`learner.loss.pack_loss` on the ``[N, V]`` logits. ``chunked``:
+    :func:`learner.loss.head_loss` on the LM head's input rows and weight, run inside the model's forward where
+    the LM head would run (:func:`_head_in_place`), never making ``[N, V]`` logits; ``chunk_bytes`` caps its
+    vocabulary slices (``learner.loss.CHUNK_BYTES``).
+    """
+    if loss_head == "plain":
+        return pack_loss(forward_rows(model, inputs), inputs.rows, coord_ids, norm, weights)
+    if loss_head != "chunked":
+        raise ValueError(f"training.loss_head = {loss_head!r}: expected 'plain' or 'chunked'")
+    made: list[LossTerms] = []
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        made.append(head_loss(hidden, weight, inputs.rows, coord_ids, norm, weights, chunk_bytes=chunk_bytes))
+        return made[-1].backward
+
+    backward = forward_rows(model, inputs, head)  # the same scalar, plus the zero vision term of an image-less pack
+    return dataclasses.replace(made[-1], backward=backward)
+
+
+@contextlib.contextmanager
+def _head_in_place(model: torch.nn.Module, head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+                   ) -> Iterator[None]:
+    """While open, the LM head projects 0 rows and returns ``head(its input rows, its weight)`` instead.
+
+    Why inside the LM head's call rather than on hidden states returned by the model: under FSDP2 the
+    root's parameters (embeddings, norm, lm_head) are gathered only during the root's forward and,
+    with ``reshard_after_forward``, freed after it; ``head`` sees the gathered weight there (the tied
+    input embedding where the model ties them), and its result leaves the root as the output FSDP2
+    hooks, so backward gathers the weight again before ``head``'s backward reads it. DDP and a plain
+    model are indifferent to where it runs.
+    """
+    if head is None:
+        yield
+        return
+    lm_head = getattr(model, "module", model).get_output_embeddings()
+    rows: list[torch.Tensor] = []
+
+    def take_rows(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        rows.append(args[0])
+        return (args[0][:, :0], *args[1:])  # the projection itself runs on no rows
+
+    def put_head(module: torch.nn.Module, _args: Any, _out: Any) -> torch.Tensor:
+        return head(rows.pop()[0], module.weight)
+
+    handles = [lm_head.register_forward_pre_hook(take_rows), lm_head.register_forward_hook(put_head)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def pack_limits(model: torch.nn.Module, packing_length: int, rope_rows: int | None,

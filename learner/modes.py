@@ -1,4 +1,4 @@
-"""The one-process modes: ``step`` (the synchronous baseline) and ``micro`` (design section 8: the baselines the async mode is measured against).
+"""The one-process modes: ``step`` (the synchronous baseline) and ``micro`` (the baselines the async mode is measured against).
 
 Both call the actor's pipeline in-process (``actor.pipeline.Pipeline``: /infer on the rollout
 server → parse → match → target → encode), so the learner needs a rollout server but no actor.

@@ -32,9 +32,10 @@ line per kind of problem every ``LOG_EVERY_S`` seconds (with the count of those 
 
 Admission (``common.segment.pack_rejection`` with the learner's :class:`PackLimits`, set from the model
 before :meth:`ReadyQueue.start`): ids and labels in the vocabulary, at most ``packing_length`` tokens,
-finite non-negative weights, finite pixels, position ids and images the model takes, finite meta counts;
-and here, ``ver ≤ ver_current + 1`` (an actor may be one sync ahead of the learner's adoption, never more:
-a pack claiming a later ver would never go stale). Without limits only the ver bound is checked.
+finite non-negative weights, a finite pixel normalisation (``pixel_affine``), position ids and images the
+model takes, finite meta counts; and here, ``ver ≤ ver_current + 1`` (an actor may be one sync ahead of the
+learner's adoption, never more: a pack claiming a later ver would never go stale). Without limits only the
+ver bound is checked.
 
 What this module does not know: models, the A/B schedule, or ranks other than its own.
 """

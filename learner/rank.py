@@ -41,13 +41,15 @@ from learner.data import ChannelAData
 from learner.device_time import DeviceSpans
 from learner.distributed import Dist
 from learner.evaluation import PeriodicEval
-from learner.loss import LossWeights, Normaliser, pack_loss
+from learner.loss import LossWeights, Normaliser
 from learner.metrics import ROLLOUT_COUNTS, MetricsWriter, RankStats, gather_stats_record
-from learner.model import (PackInputs, build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, pack_limits,
+from learner.model import (PackInputs, build_optimizer, clip_and_step, forward_loss, load_policy, pack_inputs, pack_limits,
                            resolve_dtype)
 from learner.prefetch import AWindow, ChannelAPrefetcher
+from learner.run_record import config_dict
 from learner.pack_queue import ReadyQueue
 from learner.sync.boundary import WeightSync
+from learner.throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +128,16 @@ class Learner:
         hf_dir = None if self.resume_from is None else self.resume_from / "model"
         model_cfg = replace(cfg.model, path=str(hf_dir)) if hf_dir is not None and hf_dir.is_dir() else cfg.model
         model, tokenizer, coord_ids = load_policy(model_cfg, dist.device, cfg.training.gradient_checkpointing,
-                                                  load_device=parallel.load_device(cfg.learner, dist.device))
+                                                  load_device=parallel.load_device(cfg.learner, dist.device),
+                                                  compile=cfg.training.compile)
         self.tokenizer, self.coord_ids = tokenizer, torch.tensor(coord_ids, device=dist.device)
         self.calls = {"forward": 0, "backward": 0}  # measured by hooks, not assumed (metrics + trace)
         model.register_forward_pre_hook(lambda *_: self.calls.__setitem__("forward", self.calls["forward"] + 1))
         self.dtype = resolve_dtype(cfg.model.dtype, dist.device)
         self.hf_model = model  # under fsdp the same module, sharded in place
+        # MFU's inputs, counted before fsdp shards the parameters; the peak measured on rank 0's device
+        self.throughput = Throughput.of(model, dist.device, self.dtype, dist.world_size, cfg.training.peak_tflops) \
+            if dist.is_main else None
         self.model = parallel.wrap(model, cfg.learner, dist.device, dist.world_size, dist.local_rank)
         dist.initialized |= torch.distributed.is_initialized()  # a one-rank fsdp group: Dist.close tears it down
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.training)  # after wrap: fsdp's shards
@@ -155,8 +161,9 @@ class Learner:
             self.out.mkdir(parents=True, exist_ok=True)
             self._trace = (self.out / f"trace_rank{dist.rank}.jsonl").open("a", encoding="utf-8")
         self.writer = MetricsWriter(
-            self.out, enabled=dist.is_main, tensorboard=cfg.training.tensorboard,
-            progress=cfg.training.progress, start_step=self.step, max_steps=cfg.training.max_steps, run_id=self.run_id,
+            self.out, enabled=dist.is_main, progress=cfg.training.progress, start_step=self.step,
+            max_steps=cfg.training.max_steps, run_id=self.run_id, report_to=cfg.training.report_to,
+            run_name=cfg.run_name, config=config_dict(cfg),  # without secrets: trackers may upload it
         )
         self.evals = PeriodicEval(cfg, is_main=dist.is_main, write=self.writer.write_eval)
         self._eval_due = True  # the first push (start-up sync) is evaluated: the quality training starts from
@@ -271,10 +278,10 @@ class Learner:
         t0 = time.monotonic()
         self.fb_spans.start()
         with parallel.grad_sync(self.model, sync_grads):
-            logits = forward_rows(self.model, inp)
-            if logits.requires_grad:
-                logits.register_hook(self._count_backward)
-            terms = pack_loss(logits, inp.rows, self.coord_ids, norm, self.loss_weights[channel])
+            terms = forward_loss(self.model, inp, self.coord_ids, norm, self.loss_weights[channel],
+                                 self.cfg.training.loss_head)
+            if terms.backward.requires_grad:
+                terms.backward.register_hook(self._count_backward)
             (terms.backward * loss_scale).backward()
         self.fb_spans.stop()
         stats["time_forward_backward"] += time.monotonic() - t0
@@ -345,6 +352,7 @@ class Learner:
             "stage2_ab/async/b_ratio_realized_cumulative": self.realized.cumulative,
             **self.sync.counts,
             **{f"learner/{k}_total": v for k, v in self.totals.items()},
+            **(self.throughput.facts() if self.throughput is not None else {}),
         })
         record = gather_stats_record(self.dist, self.step, stats, facts, self.ga, self.packing_length)
         if record is not None:
@@ -398,6 +406,8 @@ class Learner:
                       "the server does not hold them; evaluate the final checkpoint with python -m evaluator")
             return
         self.evals.final(self.step, self.ver, deadline_s=self.cfg.rollout_matching.vllm.infer_timeout_s)
+        if self.dist.is_main:  # the final evaluation may have named a new best: apply the rule once more
+            checkpoint.retain(self, final=self.cfg.training.save_final)
 
     def settle_sync(self, why: str) -> None:
         """overlap: wait for the push in flight (its deadline) and adopt its outcome on every rank (a collective);
@@ -410,24 +420,7 @@ class Learner:
 
     def save(self) -> None:
         self.settle_sync("checkpoint")  # so the saved ver is the server's (docs/learner.md, Weight sync)
-        queue_state = {}
-        if self.queue is not None:
-            c = self.queue.snapshot()
-            # Waiting packs are not checkpointed (actors re-produce them): drop them from "received".
-            c["received"] -= c["in_queue"] + c["reserved"]
-            queue_state = {k: v for k, v in c.items() if k not in ("in_queue", "reserved")}
-        checkpoint.save(
-            self.out, self.step, self.dist, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            model_path=self.cfg.model.path,
-            trainer_state={
-                "run_id": self.run_id, "global_step": self.step, "ver": self.ver, "totals": self.totals,
-                "sync_counts": self.sync.counts,
-                "recent_kinds_b": list(self.recent_kinds), "realized_total_steps": self.realized.total_steps,
-                "realized_total_b": self.realized.total_b,
-            },
-            rank_state={"data_a": self.a_windows.state_dict(), "queue": queue_state},  # taken windows only
-            trained_ids=self.b_trained,
-        )
+        checkpoint.save_learner(self)
 
     def take_a_window(self, stats: RankStats) -> AWindow:
         """This step's Channel-A window (exactly GA packs tagged with the current ver), built ahead on a thread."""

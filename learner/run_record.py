@@ -61,12 +61,17 @@ SEEDING_RULES = {
 
 
 def start_run(cfg: Any, world_size: int) -> str | None:
-    """Rank 0, before anything else is written: why this start is refused (``common/run_dir.py``: exit 2), or
-    None once the record of this start (fresh or resumed) is kept; ``training.overwrite`` moves an old run aside."""
+    """Rank 0, before anything else is written: why this start is refused (bad records under
+    ``data.on_bad_record: fail``, common/dataset/check.py; ``common/run_dir.py``: exit 2), or None once the record
+    of this start (fresh or resumed) is kept; ``training.overwrite`` moves an old run aside."""
     from common.checkpoints import checkpoint_run_id, resolve_resume_checkpoint
+    from common.dataset.check import start_problems
     from common.run_dir import StartRefused, prepare_start
 
     try:
+        prepare_start(cfg, move=False)  # the run directory's refusals first: they need no data
+        if problems := start_problems(cfg):  # before an old run is moved aside (training.overwrite) or torch imported
+            return "bad training data:\n" + "\n".join(f"  - {p}" for p in problems)
         prepare_start(cfg)
     except StartRefused as exc:
         return str(exc)

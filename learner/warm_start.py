@@ -3,14 +3,14 @@
     python -m learner.warm_start --config configs/warm_start_cpu.yaml --out artifacts/tiny-detector [--force] [key=value ...]
 
 Why it exists: Stage-2 (rollout matching) never puts cross-entropy on coord tokens; it assumes a
-Stage-1 checkpoint that already answers in the box format (origin semantics 4.2). A freshly built or
+Stage-1 checkpoint that already answers in the box format (as the origin does). A freshly built or
 freshly extended checkpoint (``tools/add_coord_tokens.py``) has never produced a coord token, so every
 rollout is unparseable and Channel-B has nothing to learn from. This command is that Stage-1:
 Channel-A steps only (``stage2_ab.schedule.b_ratio`` must be 0), with ``stage2_ab.coord_ce_weight > 0``
 adding a full-vocabulary CE on every coord slot to the usual CE + geometry loss (learner/loss.py).
 
 One process, no rollout server, no torchrun: the learner's own pieces (``ChannelAData`` windows,
-``pack_inputs``/``forward_rows``/``pack_loss``, AdamW + warmup-cosine) in a plain loop, so a
+``pack_inputs``/``forward_loss``, AdamW + warmup-cosine) in a plain loop, so a
 2-core box uses both cores for one model instead of two gloo ranks for two copies.
 
 The result is an ordinary HF model directory (safetensors, config, the base directory's tokenizer,
@@ -108,6 +108,10 @@ def check_config(cfg: Any) -> list[str]:
     if not (Path(cfg.model.path) / "config.json").is_file():
         problems.append(f"model.path = {cfg.model.path}: no config.json there. Fix: point it at a model directory "
                         "(make tiny-model builds the tiny one)")
+    if not problems:  # data.on_bad_record: fail checks the first records before the model loads
+        from common.dataset.check import start_problems
+
+        problems += start_problems(cfg)
     return problems
 
 
@@ -125,13 +129,13 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
     from common.tensors.encode import encoder_from_config
     from learner.checkpoint import copy_model_side_files
     from learner.data import ChannelAData
-    from learner.loss import LossWeights, Normaliser, pack_loss
-    from learner.model import build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs, resolve_dtype
+    from learner.loss import LossWeights, Normaliser
+    from learner.model import build_optimizer, clip_and_step, forward_loss, load_policy, pack_inputs, resolve_dtype
 
     t, ab = cfg.training, cfg.stage2_ab
     torch.manual_seed(t.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, _tokenizer, coord_ids = load_policy(cfg.model, device, t.gradient_checkpointing)
+    model, _tokenizer, coord_ids = load_policy(cfg.model, device, t.gradient_checkpointing, compile=t.compile)
     coord_ids_t = torch.tensor(coord_ids, device=device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     optimizer, scheduler = build_optimizer(model, t)
@@ -149,7 +153,7 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
             norm = Normaliser(ce_tokens=sum(i.rows.n_ce for i in inputs), boxes=sum(i.rows.n_boxes for i in inputs))
             sums = dict.fromkeys(("total", "ce", "bbox_smoothl1", "bbox_ciou", "coord_ce"), 0.0)
             for inp in inputs:
-                terms = pack_loss(forward_rows(model, inp), inp.rows, coord_ids_t, norm, weights)
+                terms = forward_loss(model, inp, coord_ids_t, norm, weights, t.loss_head)
                 terms.backward.backward()
                 for k in sums:
                     sums[k] += getattr(terms, k)

@@ -1,4 +1,4 @@
-"""The Stage-B configuration schema (design section 9), loaded through the common loader.
+"""The Stage-B configuration schema (docs/stage_b.md), loaded through the common loader.
 
 ``load_stage_b_config(path, overrides)`` reads one YAML plus dotted ``key=value`` overrides and
 reports every problem together in one :class:`common.config.ConfigError` (unknown keys, wrong

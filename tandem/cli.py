@@ -42,7 +42,7 @@ COMMANDS: dict[str, Command] = {
     "plot": Command("launcher.plot", "a run's metrics.jsonl as PNGs"),
     "summary": Command("launcher.summary", "a run's summary (what the launcher prints at the end)"),
     "warm-start": Command("learner.warm_start", "Stage-1 warm start: teach a model dir the coord-token boxes"),
-    "data": Command("common.synthetic", "the deterministic synthetic detection data set"),
+    "data": Command("common.dataset.cli", "training data: synth, convert (COCO/LVIS/ODVG), check, stats"),
     "tiny-model": Command("tools.make_tiny_model", "a tiny Qwen2.5-VL model dir (random weights, coord tokens)"),
     "coord-tokens": Command("tools.add_coord_tokens", "add the 1000 coord tokens to a checkpoint"),
     "tickets": Command("tools.make_tickets", "the Stage-B demo ticket set as JSONL"),

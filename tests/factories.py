@@ -9,6 +9,8 @@ import numpy as np
 from common.segment import IGNORE_INDEX, Segment
 
 PATCH_DIM = 8  # pixel_values row width of factory images (real Qwen2-VL: 1176)
+#: scale, offset per column: (u8 / 255 - 0.5) / 0.5, the Qwen3-VL processor's normalisation
+PIXEL_AFFINE = np.array([[2 / 255] * PATCH_DIM, [-1.0] * PATCH_DIM], np.float32)
 GRID_THW = (1, 2, 2)  # every factory image is 4 patches
 
 
@@ -49,8 +51,9 @@ def make_segment(
         position_ids=np.tile(np.arange(length, dtype=np.int64), (rows, 1)),
         coord_pos=coord_pos,
         coord_bins=rng.integers(0, 1000, size=n_coord, dtype=np.int64),
-        pixel_values=rng.standard_normal((patches, PATCH_DIM)).astype(np.float32),
+        pixel_values=rng.integers(0, 256, size=(patches, PATCH_DIM), dtype=np.uint8),
         image_grid_thw=np.array([GRID_THW] * n_images, dtype=np.int64).reshape(n_images, 3),
+        pixel_affine=PIXEL_AFFINE.copy() if n_images else np.zeros((2, 0), np.float32),
         meta={"n_boxes": n_coord // 4},
     )
     segment.validate()

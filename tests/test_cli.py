@@ -136,7 +136,7 @@ def test_every_entry_point_is_at_most_60_lines():
             too_long.append(f"{path.relative_to(REPO)}: main() is {n} lines")
     names = {p.relative_to(REPO).as_posix() for p in whole + with_main}  # the lists found what they should
     assert {"actor/__main__.py", "rollout_server/__main__.py", "launcher/__main__.py", "evaluator/__main__.py",
-            "learner/main.py", "stage_b/main.py", "stage_b/launch.py", "learner/warm_start.py", "common/synthetic.py",
+            "learner/main.py", "stage_b/main.py", "stage_b/launch.py", "learner/warm_start.py", "common/dataset/cli.py",
             "tools/make_tiny_model.py", "launcher/plot.py", "launcher/summary.py"} <= names, names
     assert not too_long, ("entry points parse, load the config, name the process and call one run() "
                           "(common/cli.py); move the rest into the library:\n" + "\n".join(too_long))

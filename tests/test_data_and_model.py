@@ -77,10 +77,10 @@ def test_canonical_order_is_top_to_bottom_then_left_to_right_and_stable():
 
 
 def _record(**over):
-    rec = {"id": "r1", "images": ["img/1.png"], "width": 200, "height": 100,
+    rec = {"id": "r1", "images": ["img/1.png"], "width": 200, "height": 100, "coord_mode": "pixel",
            "objects": [{"desc": "red circle", "bbox_2d": [50, 25, 100, 50]}]}
     rec.update(over)
-    return rec
+    return {k: v for k, v in rec.items() if v is not None}  # coord_mode=None: a record without one
 
 
 def test_load_record_converts_pixels_with_width_and_height_to_bins():
@@ -96,8 +96,8 @@ def test_load_record_takes_norm1000_bins_as_ints_or_coord_strings():
     objs = [{"desc": "x", "bbox_2d": [1, 2, 998, 999]}, {"desc": "y", "bbox_2d": ["<|coord_3|>", 4, "<|coord_5|>", 6]}]
     rec = load_record(_record(coord_mode="norm1000", objects=objs))
     assert [o.bins for o in rec.objects] == [(1, 2, 998, 999), (3, 4, 5, 6)]
-    # A caller (config) can make norm1000 the default for a whole dataset.
-    assert load_record(_record(objects=objs), default_coord_mode="norm1000").objects == rec.objects
+    # The config (data.coord_mode) can declare norm1000 for a whole data set of records without their own.
+    assert load_record(_record(coord_mode=None, objects=objs), coord_mode="norm1000").objects == rec.objects
     assert load_record(_record(objects=[])).objects == ()
 
 

@@ -139,3 +139,54 @@ def test_the_library_imports_without_torch():
             "bad = [m for m in ('torch', 'vllm', 'fastapi', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_per_class_ap_equals_pycocotools_run_one_category_at_a_time_from_files(tmp_path):
+    """The per-class AP against an independent pycocotools path: a GT annotation file and loadRes results, as
+    the COCO tools are used on disk, evaluated with params.catIds = [one category] for each category."""
+    import contextlib
+    import io
+    import json
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    from common.detection_eval import coco_per_class
+
+    images = hand_case() + [ImageResult(
+        width=500, height=400, id="C", gt=[GTObject("a", (100, 100, 600, 600)), GTObject("c", (700, 700, 900, 950))],
+        preds=[Prediction("c", (690, 700, 900, 940), 0.95), Prediction("a", (100, 120, 600, 600), 0.5),
+               Prediction("a", (0, 0, 50, 50), 0.85), Prediction("zebra", (1, 1, 50, 50), 0.99)])]
+    got = coco_per_class(images)
+    assert sorted(got.by_class) == ["a", "b", "c"] and got.n_pred_unknown_desc == 1
+
+    names = ["a", "b", "c"]
+    gt = {"images": [], "annotations": [], "categories": [{"id": i + 1, "name": n} for i, n in enumerate(names)]}
+    results = []
+    for i, im in enumerate(images, 1):
+        gt["images"].append({"id": i, "width": im.width, "height": im.height})
+
+        def xywh(b, im=im):
+            x1, y1, x2, y2 = b[0] / 999 * im.width, b[1] / 999 * im.height, b[2] / 999 * im.width, b[3] / 999 * im.height
+            return [x1, y1, x2 - x1, y2 - y1]
+
+        for g in im.gt:
+            box = xywh(g.bins)
+            gt["annotations"].append({"id": len(gt["annotations"]) + 1, "image_id": i, "bbox": box, "iscrowd": 0,
+                                      "area": box[2] * box[3], "category_id": names.index(g.desc) + 1})
+        results += [{"image_id": i, "category_id": names.index(p.desc) + 1, "bbox": xywh(p.bins), "score": p.score}
+                    for p in im.preds if p.desc in names]
+    (tmp_path / "gt.json").write_text(json.dumps(gt))
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO(str(tmp_path / "gt.json"))
+        coco_dt = coco_gt.loadRes(results)
+        for k, name in enumerate(names, 1):
+            ev = COCOeval(coco_gt, coco_dt, iouType="bbox")
+            ev.params.catIds = [k]
+            ev.evaluate()
+            ev.accumulate()
+            ev.summarize()
+            assert got.by_class[name]["ap"] == pytest.approx(ev.stats[0], abs=1e-9), name
+            assert got.by_class[name]["ap_50"] == pytest.approx(ev.stats[1], abs=1e-9), name
+    assert got.map == pytest.approx(sum(c["ap"] for c in got.by_class.values()) / 3, abs=1e-9)
+    assert 0 < got.by_class["c"]["ap"] < got.by_class["a"]["ap"] < 1  # the case separates the classes

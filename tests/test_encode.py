@@ -13,7 +13,7 @@ from common.assistant_json import IM_END, build_messages, canonical_order, iter_
 from common.matching import hungarian_match
 from common.parsing import parse_rollout
 from common.processor import load_processor
-from common.segment import IGNORE_INDEX
+from common.segment import IGNORE_INDEX, pixel_floats
 from common.targets import channel_a_target, reordered_gt_target, rollout_prefix_target
 
 
@@ -58,7 +58,9 @@ def test_the_segment_equals_the_processors_encoding_of_the_chat_templated_conver
         assert encoder.tokenizer.decode(ids[segment.length :]) == "\n"
         np.testing.assert_array_equal(segment.input_ids, ids[: segment.length])
         np.testing.assert_array_equal(segment.image_grid_thw, ref["image_grid_thw"].numpy())
-        np.testing.assert_array_equal(segment.pixel_values, ref["pixel_values"].numpy())
+        assert segment.pixel_values.dtype == np.uint8  # the processor's floats come back from it exactly:
+        floats = pixel_floats(segment.pixel_values, segment.pixel_affine)
+        np.testing.assert_allclose(floats, ref["pixel_values"].numpy(), rtol=0, atol=1e-6)
         prompt = encoder.prompt(record, encoder.image_paths(record))
         assert segment.meta["prompt_len"] == prompt["input_ids"].shape[0] == segment.length - len(target)
 

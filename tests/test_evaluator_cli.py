@@ -131,3 +131,45 @@ def test_the_grid_draws_gt_green_and_predictions_red(tmp_path):
     assert GT_COLOR in colours and PRED_COLOR in colours
     assert size[0] >= 100 * SCALE
     assert draw_predictions([], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_run_is_evaluated_with_the_runs_own_prompts_and_report_json_records_them(
+        tmp_path, tiny_model_dir, synth_data_dir):
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run / "checkpoints" / "3" / "model")
+    cfg = yaml.safe_load((REPO / "configs" / "demo_cpu.yaml").read_text())
+    cfg["data"]["system_prompt"] = "You find shapes. Answer with one line of JSON."  # not the demo's
+    (run / "run_config.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "eval"
+    proc = evaluator("--checkpoint", str(run / "checkpoints" / "3"), "--data", str(synth_data_dir / "val.jsonl"),
+                     "--out", str(out), "--max-images", "1", "--max-new-tokens", "8", "--grid", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["prompts"] == {"system": "You find shapes. Answer with one line of JSON.",
+                                 "user": cfg["data"]["user_prompt"]}
+    assert report["config"] == {"path": str((run / "run_config.yaml").resolve()),
+                                "source": "the checkpoint's run (run_config.yaml)"}
+    assert report["decoding"]["temperature"] == 0.0 and report["decoding"]["max_tokens"] == 8
+    assert "ap_by_class" in report and "map_per_class" in report
+
+
+def test_without_a_run_config_the_default_config_is_the_packages_whatever_the_current_directory(tmp_path,
+                                                                                                   monkeypatch):
+    from evaluator.args import build_parser, check_args
+
+    ckpt = tmp_path / "run" / "checkpoints" / "2"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)  # configs/demo_cpu.yaml is not here
+    args = build_parser().parse_args(["--checkpoint", str(ckpt), "--data", "x", "--out", "o"])
+    check_args(args)
+    assert args.config == str(REPO / "configs" / "demo_cpu.yaml") and "no run_config.yaml" in args.config_source
+    (tmp_path / "run" / "run_config.yaml").write_text("model: {path: m}\n")
+    args = build_parser().parse_args(["--checkpoint", str(ckpt), "--data", "x", "--out", "o"])
+    check_args(args)
+    assert args.config == str(tmp_path / "run" / "run_config.yaml")

@@ -52,7 +52,7 @@ def make_data(tmp_path_factory):
     def make(*, rank: int = 0, world: int = 1, ga: int = 2, seed: int = 0, samples: int | None = None) -> LengthData:
         cfg = SimpleNamespace(training=SimpleNamespace(per_device_train_batch_size=2, seed=seed),
                               derived=SimpleNamespace(packing_length=PACKING_LENGTH),
-                              data=SimpleNamespace(train_jsonl=str(path)))
+                              data=SimpleNamespace(train_jsonl=str(path), on_bad_record="fail"))
         return LengthData(cfg, None, rank=rank, world_size=world, ga=ga, samples=samples)
 
     return make

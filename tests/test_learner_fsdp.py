@@ -21,7 +21,6 @@ all-gathers of every rank in the same order), and the config accepts ``fsdp`` an
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import sys
 import time
 import traceback
@@ -52,6 +51,8 @@ if __name__ == "__main__":  # run as a rank script by torchrun: import from the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest
+
+from tests.spawned_ranks import run_ranks
 
 STEPS, GA = 5, 2
 JOIN_DEADLINE_S = 150
@@ -332,27 +333,12 @@ def test_fsdp_gradients_equal_ddps_when_one_ranks_pack_has_no_image(tiny_model_d
 
     from tests.ports import free_port_block
 
-    ctx = mp.get_context("spawn")
     port = free_port_block(1)
-    procs = [ctx.Process(target=_grad_rank, args=(r, port, str(tiny_model_dir), str(tmp_path)), daemon=True)
-             for r in (0, 1)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()  # only the processes this test started, by their handle
-    assert not alive, (f"ranks {alive} still running after 120 s: the ranks' FSDP2 all-gathers are out of order "
-                       "(a rank ran the vision tower after its language model?)")
-    for r in (0, 1):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), (f"rank {r} wrote no result (exit code {procs[r].exitcode}): it crashed, e.g. gloo's "
-                               "'collective mismatch' when the ranks' FSDP2 all-gathers run in different orders")
-        res = json.loads(path.read_text())
-        assert res.get("ok"), f"rank {r}:\n{res.get('error')}"
+    run_ranks(_grad_rank, lambda r: (r, port, str(tiny_model_dir), str(tmp_path)), out_dir=tmp_path, deadline_s=120,
+              hang_hint="the ranks' FSDP2 all-gathers are out of order (a rank ran the vision tower after its "
+                        "language model?)",
+              crash_hint="it crashed, e.g. gloo's 'collective mismatch' when the ranks' FSDP2 all-gathers run in "
+                         "different orders")
     grads = torch.load(tmp_path / "grads.pt")
     ddp, fsdp = grads["ddp"], grads["fsdp"]
     vision = [n for n in ddp if ".visual." in f".{n}"]

@@ -18,11 +18,11 @@ def records(n: int) -> list[dict]:
 
 
 def test_jsonl_sink_writes_one_record_per_step_and_appends_on_resume(tmp_path):
-    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False, progress=False, start_step=0, max_steps=3)
+    w = MetricsWriter(tmp_path, enabled=True, progress=False, start_step=0, max_steps=3)
     for r in records(3):
         w.write(r)
     w.close()
-    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False, progress=False, start_step=3, max_steps=4)
+    w = MetricsWriter(tmp_path, enabled=True, progress=False, start_step=3, max_steps=4)
     w.write({"step": 3, "loss/total": 1.5})
     w.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -33,7 +33,7 @@ def test_tensorboard_sink_holds_every_numeric_key_per_step(tmp_path):
     pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard; `pip install tensorboard`")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    w = MetricsWriter(tmp_path, enabled=True, tensorboard=True, progress=False, start_step=0, max_steps=4)
+    w = MetricsWriter(tmp_path, enabled=True, report_to=["tensorboard"], progress=False, start_step=0, max_steps=4)
     for r in records(4):
         w.write(r)
     w.close()
@@ -44,7 +44,7 @@ def test_tensorboard_sink_holds_every_numeric_key_per_step(tmp_path):
 
 
 def test_non_main_ranks_write_nothing(tmp_path):
-    w = MetricsWriter(tmp_path / "r1", enabled=False, tensorboard=True, progress=True, start_step=0, max_steps=2)
+    w = MetricsWriter(tmp_path / "r1", enabled=False, report_to=["tensorboard"], progress=True, start_step=0, max_steps=2)
     w.write({"step": 0, "loss/total": 1.0})
     w.close()
     assert not (tmp_path / "r1").exists()
@@ -150,7 +150,7 @@ class _OverlapDetectingFile:
 
 
 def test_eval_records_from_another_thread_interleave_as_whole_lines(tmp_path):
-    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False, progress=False, start_step=0, max_steps=400)
+    w = MetricsWriter(tmp_path, enabled=True, progress=False, start_step=0, max_steps=400)
     w._jsonl = probe = _OverlapDetectingFile(w._jsonl)
     pad = "x" * 4096  # lines longer than one write buffer, so a torn line would show
 
@@ -176,10 +176,36 @@ def test_eval_records_become_eval_scalars_at_their_step(tmp_path):
     pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard; `pip install tensorboard`")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    w = MetricsWriter(tmp_path, enabled=True, tensorboard=True, progress=False, start_step=0, max_steps=4)
+    w = MetricsWriter(tmp_path, enabled=True, report_to=["tensorboard"], progress=False, start_step=0, max_steps=4)
     w.write_eval({"step": 30, "eval/f1": 0.58, "eval/map": None, "eval/score_source": "coord_logprob"})
     w.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert set(acc.Tags()["scalars"]) == {"eval/f1"}  # None and strings are not scalars
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/f1")] == [(30, 0.58)]
+
+
+class _BrokenTracker:
+    """A tracker whose backend fails from its second record on (a full disk, a store gone away)."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+
+    def log(self, values: dict, step: int) -> None:
+        if self.got:
+            raise OSError("No space left on device")
+        self.got.append(step)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_tracker_is_dropped_with_an_error_and_metrics_jsonl_goes_on(tmp_path, caplog):
+    w = MetricsWriter(tmp_path, enabled=True, progress=False, start_step=0, max_steps=3)
+    w._trackers = [broken := _BrokenTracker()]
+    for r in records(3):
+        w.write(r)
+    w.close()
+    assert broken.got == [0]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert "tracker _BrokenTracker failed at step 1" in caplog.text

@@ -76,8 +76,10 @@ def image_segment(model, tokenizer, coord_ids, seed: int, n_images: int, n_text:
         sample_id=f"seg{seed}", channel="B", ver=0,
         input_ids=np.array(ids, np.int64), labels=labels, weights=weights, position_ids=position_ids.astype(np.int64),
         coord_pos=coord_pos, coord_bins=bins.astype(np.int64),
-        pixel_values=rng.standard_normal((n_patches, patch_dim)).astype(np.float32),
+        # uint8 levels ~ N(128, 40) and an affine (u8 - 128) / 40: model inputs ~ N(0, 1), as before lean pixels
+        pixel_values=np.clip(np.rint(rng.standard_normal((n_patches, patch_dim)) * 40 + 128), 0, 255).astype(np.uint8),
         image_grid_thw=grid.numpy() if n_images else np.zeros((0, 3), np.int64),
+        pixel_affine=np.array([[1 / 40] * patch_dim, [-3.2] * patch_dim], np.float32),
     )
     segment.validate()
     return segment

@@ -108,7 +108,8 @@ def test_the_learner_gives_coord_ce_to_channel_a_packs_only(tmp_path, tiny_model
 
     logits, rows = make_case(5)
     weight = torch.nn.Parameter(torch.ones(()))
-    monkeypatch.setattr(rank_mod, "forward_rows", lambda model, inp: logits * weight)
+    monkeypatch.setattr(rank_mod, "forward_loss", lambda model, inp, coord_ids, norm, weights, loss_head="plain":
+                        pack_loss(logits * weight, inp.rows, coord_ids, norm, weights))
     learner.model = torch.nn.Identity()
     learner.calls = {"forward": 0, "backward": 0}
     learner.coord_ids = COORD_IDS

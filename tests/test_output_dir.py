@@ -98,7 +98,7 @@ def test_a_resume_sets_aside_the_lines_of_the_steps_it_trains_again_and_a_torn_l
 
     lines = [{"step": s} for s in range(22)] + [{"record": "eval", "step": 20}]  # crashed at 22, checkpoint 15
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 22, "lo')
-    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=False, progress=False, start_step=15, max_steps=30,
+    writer = MetricsWriter(tmp_path, enabled=True, progress=False, start_step=15, max_steps=30,
                            run_id="r")
     writer.write({"step": 15, "loss/total": 1.0})
     writer.close()

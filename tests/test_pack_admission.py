@@ -44,7 +44,7 @@ def spoiled(what: str):
     if what == "nonfinite":
         seg.weights[3] = np.nan
     elif what == "nonfinite_pixels":
-        seg.pixel_values[0, 0] = np.inf
+        seg.pixel_affine[0, 0] = np.inf  # uint8 pixels are finite; their normalisation may not be
     elif what == "token_id":
         seg.input_ids[5] = VOCAB + 7
     elif what == "token_id_label":
@@ -60,7 +60,8 @@ def spoiled(what: str):
     elif what == "image":
         seg.input_ids[1] = 7  # one placeholder fewer than the grid implies
     elif what == "image_width":
-        seg = replace(seg, pixel_values=np.zeros((4, PATCH_DIM + 1), np.float32))
+        seg = replace(seg, pixel_values=np.zeros((4, PATCH_DIM + 1), np.uint8),
+                      pixel_affine=np.ones((2, PATCH_DIM + 1), np.float32))
     elif what == "meta":
         seg.meta["n_pred"] = float("nan")
     return seg
@@ -223,7 +224,7 @@ def test_a_frame_cap_below_the_models_largest_legal_pack_is_refused_at_setup_nam
                                                                                             synth_data_dir):
     from common.config import ConfigError
 
-    # a tiny-model pack of 768 tokens can carry ~14 MiB of pixel_values
+    # a tiny-model pack of 768 tokens can carry ~3.4 MiB of uint8 pixel_values
     lrn = _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, ["transport.max_frame_mb=1"])
     try:
         lrn.open_queue()

@@ -287,6 +287,6 @@ def test_a_pack_mixing_pixel_widths_raises_a_segment_error_naming_the_widths():
 
     a = make_segment(20, ver=1, sample_id="a", n_images=1)
     b = make_segment(20, ver=1, sample_id="b", n_images=1)
-    b.pixel_values = np.zeros((b.pixel_values.shape[0], b.pixel_values.shape[1] + 1), np.float32)
+    b.pixel_values = np.zeros((b.pixel_values.shape[0], b.pixel_values.shape[1] + 1), np.uint8)
     with pytest.raises(SegmentError, match="widths"):
         Pack(ver=1, channel="B", segments=[a, b]).tensors()

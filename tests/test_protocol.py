@@ -338,7 +338,7 @@ def test_malformed_pack_message_raises_protocol_error(mutate):
 
 
 def test_truncated_frame_raises_protocol_error_naming_the_count():
-    with pytest.raises(P.ProtocolError, match="8 buffer frames but the header lists 9 tensors"):
+    with pytest.raises(P.ProtocolError, match="9 buffer frames but the header lists 10 tensors"):
         P.decode_pack_message(valid_frames()[:-1])
 
 

@@ -19,6 +19,7 @@ def _inputs(tmp_path: Path) -> tuple[Path, Path]:
     (model / "tandem_build.json").write_text(json.dumps({"params": {"preset": "tiny", "seed": 0}}))
     (data / "manifest.json").write_text(json.dumps({"params": {"generator": "common.synthetic", "n_train": 8},
                                                     "files": ["train.jsonl"]}))
+    (data / "train.jsonl").write_text("")  # start_run checks its first records (data.on_bad_record): none here
     return model, data
 
 

@@ -1,4 +1,4 @@
-"""The A/B schedule of design section 5: exact, resumable, edge cases of the spec scenarios."""
+"""The A/B schedule (common/schedule.py): exact, resumable, edge cases of the spec scenarios."""
 
 import math
 from fractions import Fraction

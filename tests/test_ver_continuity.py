@@ -1,4 +1,4 @@
-"""ver never goes back: the learner's sync commits ``max(server ver, learner ver) + 1`` (design section 4).
+"""ver never goes back: the learner's sync commits ``max(server ver, learner ver) + 1`` (docs/architecture.md, Versions).
 
 A real server process (hf engine) and the learner's own WeightSync on one process (world size 1).
 """

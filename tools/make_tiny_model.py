@@ -296,11 +296,12 @@ def build_model(config, seed: int, dtype: str, init: str = "hf"):
     return model.eval()
 
 
-def build_image_processor():
+def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
+    """The Qwen2-VL image processor; the defaults keep images at 112 px (bench/bench_learner_op.py asks 1024 px)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
-        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
     )
 
 

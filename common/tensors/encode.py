@@ -3,6 +3,7 @@
     record ── build_messages ──► chat template (add_generation_prompt) ──► text ─┐
     images ── PIL RGB ───────────────────────────────────────────────────────────┴► processor
         ► prompt ids (image pads expanded), pixel_values, image_grid_thw, mm_token_type_ids
+        ► pixel_values back to the resized images' uint8 values + a per-column affine (to_uint8_pixels)
     TargetSpec.token_ids (assistant span, turn end included) appended after the prompt
         ► labels / weights / coord_pos shifted by the prompt length P
         ► position_ids from the model's OWN rope-index function over the whole segment
@@ -87,7 +88,9 @@ class Encoder:
         return build_messages(record, image_paths, prompts=self.prompts)
 
     def prompt(self, record: Record, image_paths: list[str]) -> dict[str, np.ndarray]:
-        """Prompt ids [P] (image pads expanded), pixel_values [N, D], image_grid_thw [I, 3], mm_token_type_ids [P]."""
+        """Prompt ids [P] (image pads expanded), pixel_values uint8 [N, D] with pixel_affine [2, D]
+        (``common.segment.pixel_floats`` gives the processor's float32 pixel_values back), image_grid_thw [I, 3],
+        mm_token_type_ids [P]."""
         from PIL import Image  # deferred with the processor
 
         text = self.processor.apply_chat_template(
@@ -103,10 +106,16 @@ class Encoder:
         mm = np.asarray(mm[0], dtype=np.int64) if mm is not None else np.zeros_like(ids)
         pv = out.get("pixel_values")
         grid = out.get("image_grid_thw")
+        if pv is not None:
+            affine = pixel_affine(self.processor.image_processor, int(pv.shape[1]))
+            u8 = to_uint8_pixels(np.asarray(pv, dtype=np.float32), affine, what=f"{self.model_path} {image_paths}")
+        else:
+            affine, u8 = np.zeros((2, 0), np.float32), np.zeros((0, 0), np.uint8)
         return {
             "input_ids": ids,
             "mm_token_type_ids": mm,
-            "pixel_values": np.ascontiguousarray(pv, dtype=np.float32) if pv is not None else np.zeros((0, 0), np.float32),
+            "pixel_values": u8,
+            "pixel_affine": affine,
             "image_grid_thw": np.asarray(grid, dtype=np.int64).reshape(-1, 3) if grid is not None else np.zeros((0, 3), np.int64),
         }
 
@@ -184,6 +193,7 @@ class Encoder:
             coord_bins=target.coord_bins.astype(np.int64),
             pixel_values=prompt["pixel_values"],
             image_grid_thw=prompt["image_grid_thw"],
+            pixel_affine=prompt["pixel_affine"],
             meta={**(meta or {}), "prompt_len": n_prompt, "target_len": n_target},
         )
         segment.validate()
@@ -208,6 +218,52 @@ class Encoder:
         with torch.no_grad():
             pos, _ = self._rope_model.get_rope_index(**kwargs)
         return np.ascontiguousarray(pos[:, 0, :].numpy().astype(np.int64))
+
+
+#: How far (in 0..255 levels) a processor float may sit from an integer level and still be called exact:
+#: float32 arithmetic puts the Qwen-VL processors' values within ~1e-5 of one; a float resize would be up to 0.5 off.
+UINT8_TOLERANCE = 1e-3
+
+
+def pixel_affine(image_processor: Any, width: int) -> np.ndarray:
+    """``[2, width]`` float32: per ``pixel_values`` column, the scale and offset that map a 0..255 value to the
+    processor's float, ``(u8 · rescale_factor − mean[c]) / std[c]`` (without rescale or normalisation when the
+    processor skips them). Column d of a patch row belongs to channel ``c = d // (width / channels)``: the
+    Qwen-VL processors flatten a patch as (channel, temporal, row, column); :func:`to_uint8_pixels` proves it
+    on every image."""
+    ip = image_processor
+    rescale = float(ip.rescale_factor) if getattr(ip, "do_rescale", True) else 1.0
+    normalise = getattr(ip, "do_normalize", True)
+    mean = np.atleast_1d(np.asarray(ip.image_mean if normalise else 0.0, np.float64))
+    std = np.atleast_1d(np.asarray(ip.image_std if normalise else 1.0, np.float64))
+    channels = max(len(mean), len(std))  # 1: one mean and std for every channel
+    mean, std = np.broadcast_to(mean, (channels,)), np.broadcast_to(std, (channels,))
+    if width % channels:
+        raise ValueError(f"pixel_values rows of width {width} do not split into {channels} channels: not a "
+                         "Qwen-VL patch layout (channel, temporal, row, column)")
+    c = np.arange(width) // (width // channels)
+    return np.stack([rescale / std[c], -mean[c] / std[c]]).astype(np.float32)
+
+
+def to_uint8_pixels(pixel_values: np.ndarray, affine: np.ndarray, *, what: str = "pixel_values") -> np.ndarray:
+    """The processor's float ``pixel_values [N, D]`` as the uint8 levels they were computed from (``affine``:
+    :func:`pixel_affine`). Raises ValueError naming the deviation when they are not such levels (a processor that
+    resizes in float, or a layout other than the Qwen-VL one): sending them as uint8 would change the model's input."""
+    # float32 in place: a 1024-px image is 6.4 M values, and float32's error here (~4e-5 levels) is far inside
+    # the tolerance
+    levels = np.subtract(pixel_values, affine[1], dtype=np.float32)
+    levels *= (1.0 / affine[0]).astype(np.float32)
+    rounded = np.rint(levels)
+    off = np.abs(np.subtract(levels, rounded, out=levels), out=levels)
+    if off.size and (off.max() > UINT8_TOLERANCE or rounded.min() < 0 or rounded.max() > 255):
+        raise ValueError(
+            f"{what}: the image processor's pixel_values are not (0..255 · rescale − mean) / std of the resized "
+            f"image (levels {rounded.min():.0f}..{rounded.max():.0f}, up to {off.max():.3g} from an integer; tolerance "
+            f"{UINT8_TOLERANCE}), so they cannot travel as uint8 without changing the learner's input. The "
+            "Qwen2/2.5/3-VL image processors resize uint8 images before normalising; check the processor config of "
+            "model.path (preprocessor_config.json: do_rescale, rescale_factor, image_mean, image_std)"
+        )
+    return rounded.astype(np.uint8)
 
 
 def _meta_rope_model(config: Any) -> Any | None:

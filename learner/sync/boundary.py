@@ -1,4 +1,4 @@
-"""Weight sync from the learner to the rollout servers: ``blocking`` and ``overlap`` modes (design section 4).
+"""Weight sync from the learner to the rollout servers: ``blocking`` and ``overlap`` modes (docs/learner.md, Weight sync).
 
 ``stage2_ab.channel_b.async.sync_mode: blocking`` (default). At a step boundary every
 ``stage2_ab.channel_b.async.sync_every_steps`` optimizer steps, and once at start (fresh or resumed)::

@@ -1,4 +1,4 @@
-"""Weight push over HTTP: packed buckets as ``/sync/bucket`` bodies (the CPU / no-NCCL path of design section 4).
+"""Weight push over HTTP: packed buckets as ``/sync/bucket`` bodies (the CPU / no-NCCL path; docs/learner.md, Weight sync).
 
     with HttpWeightSender("http://127.0.0.1:8310", auth_token=None, timeout_s=300) as sender:
         report = sender.push(model.named_parameters(), bucket_bytes=512 << 20, fence="drain")

@@ -1,4 +1,4 @@
-"""Learner rank 0 -> rollout server weight push over NCCL (the GPU path of design section 4).
+"""Learner rank 0 -> rollout server weight push over NCCL (the GPU path; docs/learner.md, Weight sync).
 
     sender = NcclWeightSender("http://127.0.0.1:8000", master_addr="10.0.0.5", timeout_s=300)
     report = sender.push(model.named_parameters(), bucket_bytes=512 << 20, fence="drain")

@@ -1,0 +1,386 @@
+"""The learner at the users' operating point: one JSON line per row with tokens/s, MFU, peak memory, kernel
+launches and where the step goes (issue 31).
+
+    python bench/bench_learner_op.py [--preset 3b] [--vocab 151936] [--side 1024] [--max-objects 40]
+        [--packing-length 12000] [--warmup 1] [--steps 3] [--rows sdpa,varlen-vision,varlen,varlen+chunked]
+        [--out bench/results/x.json]
+    python bench/bench_learner_op.py --quick    # the same code on the tiny preset, CPU, 112 px (tests/)
+
+Everything is generated here (GPU machines start bare and offline): the preset's config with ``--vocab``
+embedding rows, the tokenizer and a processor capped at ``--side``² pixels (tools/make_tiny_model.py),
+random bf16 weights made on the device, synthetic ``--side`` px images with 1..``--max-objects`` shapes
+(common/synthetic.py). The step is the project's own: ``Encoder`` segments (untimed, the actors' work) →
+``Packer`` packs of up to ``--packing-length`` tokens → timed: ``pack_inputs`` → ``forward_rows`` → ``pack_loss``
+(or ``forward_loss`` with ``training.loss_head``) → backward → ``clip_and_step`` (fused AdamW), gradient
+checkpointing on, one pack per step. Every row trains on the same packs on the same model.
+
+Rows (``--rows``, comma-separated): ``sdpa`` (vision: one sdpa call per window; LM: sdpa with the [T, T]
+mask), ``varlen-vision`` (vision varlen, LM as sdpa), ``varlen`` (both: ``model.attn_implementation: varlen``),
+then ``+chunked`` for ``training.loss_head: chunked`` and ``+compile`` for ``torch.compile`` of every vision
+block and decoder layer (a bench experiment, no config key; it stays on, so put such rows last).
+
+Fields: ``tokens_per_s`` (median over ``--steps``), ``mfu`` = 6 × non-embedding LM parameters × tokens/s ÷
+``peak_tflops``, the bf16 (CPU: model dtype) matmul rate measured here on an 8192³ product; ``peak_gib``
+(max allocated over the timed steps); the split ``inputs_s / vision_s / lm_s / loss_s / optimizer_s``
+(medians; forward + backward each, read from device events at the vision tower's forward hooks, the
+gradient hooks on its output and on the logits: so the LM's share includes the head's projection, and
+``loss_s`` is null with the chunked head, which runs inside the LM's forward); from one more step under
+``torch.profiler``: ``kernel_launches_per_step`` (CUDA launch API calls; null on the CPU), ``gpu_busy_s``
+(kernel time) and ``top_ops`` (the 8 ops with most device time, or CPU time on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel")
+
+
+# --------------------------------------------------------------------------------------------- inputs
+
+
+def render_one(job: tuple[str, int, int, int]) -> dict:
+    """One synthetic record (PNG written under ``root/images``): a process-pool job."""
+    from common.synthetic import render_record
+
+    root, index, side, max_objects = job
+    image, record = render_record(31, index, sides=(side,), max_objects=max_objects)
+    path = f"images/op-{index:05d}.png"
+    image.save(Path(root) / path)
+    return dict(record, images=[path])
+
+
+def render_records(root: Path, n: int, side: int, max_objects: int) -> list[dict]:
+    """``n`` records, rendered in parallel (40 shapes at 1024 px take ~1.4 s each on one core)."""
+    import multiprocessing
+
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    jobs = [(str(root), i, side, max_objects) for i in range(n)]
+    with multiprocessing.get_context("fork").Pool(min(16, os.cpu_count() or 1)) as pool:  # before CUDA starts
+        return pool.map(render_one, jobs)
+
+
+def model_dir(root: Path, preset: str, vocab: int | None, side: int) -> Path:
+    """Config (``vocab`` embedding rows), tokenizer and a processor taking images up to ``side``² pixels."""
+    from tools import make_tiny_model as mtm
+
+    tok = mtm.build_tokenizer(True)
+    config = mtm.build_config(preset, tok)
+    if vocab:
+        config.text_config.vocab_size = vocab
+    config.save_pretrained(root)
+    tok.save_pretrained(root)
+    mtm.build_image_processor(max_pixels=side * side).save_pretrained(root)
+    (root / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
+    return root
+
+
+def make_packs(path: Path, records: list[dict], packing_length: int) -> list:
+    """Channel-A segments of ``records`` packed as the actors pack (90 % fill or better)."""
+    from common.assistant_json import canonical_order, load_record
+    from common.packing import Packer
+    from common.targets import channel_a_target
+    from common.tensors.encode import Encoder
+
+    encoder = Encoder(path, packing_length, image_root=str(path))
+    packer = Packer(packing_length, min_fill_ratio=0.9, max_wait_s=1e9, clock=lambda: 0.0)
+    for i, raw in enumerate(records):
+        record = load_record(raw)
+        target = channel_a_target(canonical_order(record.objects), encoder.tokenizer, coord_ids=encoder.coord_ids)
+        segment = encoder.encode(record, target, sample_id=f"op{i}", channel="A", ver=0)
+        if segment is not None:
+            packer.add(segment)
+    return packer.pop_ready()
+
+
+def build_model(path: Path, device, dtype):
+    """Random weights made on ``device`` (N(0, 0.02); norms 1, biases 0), gradient checkpointing on."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    with torch.device(device):  # the modules' own __init__ on the device: the rotary buffers are computed there
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
+                                                        attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.tie_weights()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.train()
+
+
+def set_attention(model, row: str) -> str:
+    """Point the vision tower and the LM at the row's kernels; returns the name ``pack_inputs`` takes."""
+    from learner import attention
+
+    attention.register()
+    vision, lm = {"sdpa": ("sdpa", "sdpa"), "varlen-vision": (attention.HF_NAME, "sdpa"),
+                  "varlen": (attention.HF_NAME, attention.HF_NAME)}[row]
+    model.config.vision_config._attn_implementation = vision
+    model.config.text_config._attn_implementation = lm
+    return attention.VARLEN if lm == attention.HF_NAME else "sdpa"
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------- the step
+
+
+class Marks:
+    """Named points on the device's timeline (CUDA events) or the host's clock (CPU)."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
+        self.at: dict[str, object] = {}
+
+    def __call__(self, name: str) -> None:
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.at[name] = event
+        else:
+            self.at[name] = time.perf_counter()
+
+    def s(self, a: str, b: str) -> float:
+        if self.cuda:
+            return self.at[a].elapsed_time(self.at[b]) / 1000  # type: ignore[union-attr]
+        return self.at[b] - self.at[a]  # type: ignore[operator]
+
+
+def hook_vision(model, marks: list[Marks]) -> None:
+    """Marks the vision tower's forward start/end and the moment its output's gradient arrives (its backward starts)."""
+    from learner.model import vision_tower
+
+    vis = vision_tower(model)
+
+    def after(_module, _args, out) -> None:
+        marks[0]("vis_f1")
+        t = getattr(out, "pooler_output", None)
+        t = t if t is not None else (out if hasattr(out, "register_hook") else out[0])
+        if t.requires_grad:
+            t.register_hook(lambda _g: marks[0]("vis_b0"))
+
+    vis.register_forward_pre_hook(lambda *_: marks[0]("vis_f0"))
+    vis.register_forward_hook(after)
+
+
+def step(model, pack, attn: str, loss_head: str, optimizer, scheduler, coord_ids, dtype, device, marks: Marks) -> dict:
+    """One timed optimizer step on one pack; returns its wall time, tokens and the split."""
+    from learner.loss import LossWeights, Normaliser, pack_loss
+    from learner.model import clip_and_step, forward_rows, pack_inputs
+
+    sync(device)
+    t0 = time.perf_counter()
+    marks("start")
+    inputs = pack_inputs(pack.tensors(), attn, dtype, device)
+    marks("inputs")
+    norm = Normaliser(ce_tokens=inputs.rows.n_ce, boxes=inputs.rows.n_boxes)
+    if loss_head == "plain":
+        logits = forward_rows(model, inputs)
+        marks("lm_f1")
+        logits.register_hook(lambda _g: marks("loss_b1"))
+        terms = pack_loss(logits, inputs.rows, coord_ids, norm, LossWeights())
+    else:
+        from learner.model import forward_loss
+
+        terms = forward_loss(model, inputs, coord_ids, norm, LossWeights(), loss_head)
+        marks("lm_f1")
+    marks("loss_f1")
+    terms.backward.backward()
+    marks("bwd")
+    clip_and_step(model, optimizer, scheduler, 1.0)
+    marks("end")
+    sync(device)
+    wall = time.perf_counter() - t0
+    m = marks.s
+    lm_bwd_from = "loss_b1" if loss_head == "plain" else "loss_f1"
+    return {
+        "step_s": wall, "tokens": inputs.n_tokens, "loss": terms.total,
+        "inputs_s": m("start", "inputs"),
+        "vision_s": m("vis_f0", "vis_f1") + m("vis_b0", "bwd"),
+        "lm_s": m("inputs", "vis_f0") + m("vis_f1", "lm_f1") + m(lm_bwd_from, "vis_b0"),
+        "loss_s": m("lm_f1", "loss_f1") + m("loss_f1", "loss_b1") if loss_head == "plain" else None,
+        "optimizer_s": m("bwd", "end"),
+    }
+
+
+def profile_step(run, device, table: Path | None = None) -> dict:
+    """One more step under torch.profiler: launches, kernel time, the ops with most device time (and the
+    profiler's whole op table in ``table``, if given)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    ops = sorted(prof.key_averages(), key=lambda a: getattr(a, key, 0) or 0, reverse=True)
+    if table is not None:
+        table.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+    return {
+        "kernel_launches_per_step": sum(e.name in LAUNCH_CALLS for e in events) if device.type == "cuda" else None,
+        "gpu_kernels_per_step": len(kernels) if device.type == "cuda" else None,
+        "gpu_busy_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6 if device.type == "cuda" else None,
+        "top_ops": [[a.key[:70], round((getattr(a, key, 0) or 0) / 1e3, 1), a.count] for a in ops[:8]],
+    }
+
+
+def run_row(row: str, model, packs, args, optimizer, scheduler, coord_ids, dtype, device, marks: list[Marks],
+            peak_tflops: float, lm_params: int) -> dict:
+    import torch
+
+    from learner.model import compile_blocks
+    from learner.throughput import mfu
+
+    attn_row, *flags = row.split("+")
+    loss_head = "chunked" if "chunked" in flags else "plain"
+    attn = set_attention(model, attn_row)
+    if "compile" in flags:
+        compile_blocks(model)
+
+    def one(i: int) -> dict:
+        marks[0] = Marks(device)
+        return step(model, packs[i % len(packs)], attn, loss_head, optimizer, scheduler, coord_ids, dtype, device,
+                    marks[0])
+
+    for i in range(args.warmup):
+        one(i)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed = [one(args.warmup + i) for i in range(args.steps)]
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    table = Path(f"{args.out.removesuffix('.json')}-{row.replace('+', '-')}.txt") if args.out else None
+    prof = profile_step(lambda: one(args.warmup + args.steps), device, table)
+    med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
+    tokens_per_s = statistics.median(r["tokens"] / r["step_s"] for r in timed)
+    return {
+        "row": row, "attn": attn_row, "loss_head": loss_head, "device": device_name(device),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "mfu": round(mfu(tokens_per_s, lm_params, peak_tflops), 4),
+        "peak_gib": round(peak, 2) if peak is not None else None,
+        "kernel_launches_per_step": prof.pop("kernel_launches_per_step"),
+        "step_s": round(med("step_s"), 3), "tokens_per_step": med("tokens"),
+        **{k: (round(med(k), 3) if timed[0][k] is not None else None)
+           for k in ("inputs_s", "vision_s", "lm_s", "loss_s", "optimizer_s")},
+        "losses": [round(r["loss"], 4) for r in timed],  # NaN would show a broken row, not a slow one
+        **prof,
+    }
+
+
+def device_name(device) -> str:
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+ATTN_ROWS = ("sdpa", "varlen-vision", "varlen")
+ROW_FLAGS = ("chunked", "compile")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU, 112 px, 1 step per row (tests)")
+    ap.add_argument("--preset", default="3b")
+    ap.add_argument("--vocab", type=int, default=151936, help="embedding rows (0 = the tokenizer's, rounded)")
+    ap.add_argument("--side", type=int, default=1024, help="image side in pixels (the processor's cap: side²)")
+    ap.add_argument("--max-objects", type=int, default=40)
+    ap.add_argument("--packing-length", type=int, default=12000)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", default=None, help="default: sdpa,varlen-vision,varlen (--quick: sdpa,varlen)")
+    ap.add_argument("--out", default=None, help="also write every row (and the setup) to this JSON file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.vocab, args.side, args.max_objects, args.packing_length = "tiny", 0, 112, 4, 1024
+        args.steps = 1
+    args.rows = args.rows or ("sdpa,varlen" if args.quick else "sdpa,varlen-vision,varlen")
+    for row in args.rows.split(","):
+        attn, *flags = row.split("+")
+        if attn not in ATTN_ROWS or not set(flags) <= set(ROW_FLAGS):
+            ap.error(f"--rows: {row!r} is not <{'|'.join(ATTN_ROWS)}>[+{'][+'.join(ROW_FLAGS)}]")
+    with tempfile.TemporaryDirectory(prefix="bench-learner-op-") as work:
+        return run(args, Path(work))
+
+
+def run(args: argparse.Namespace, work: Path) -> int:
+    t0 = time.perf_counter()
+    per_record = args.side * args.side // 784 + 10 * args.max_objects + 200  # image + answer + prompt tokens, roughly
+    n_records = -(-args.packing_length * (args.warmup + args.steps + 1) // per_record) + 4
+    records = render_records(work, n_records, args.side, args.max_objects)
+    path = model_dir(work, args.preset, args.vocab, args.side)
+    packs = make_packs(path, records, args.packing_length)
+    prep_s = time.perf_counter() - t0
+    if not packs:
+        print(f"error: no pack reached 90 % of {args.packing_length} tokens from {len(records)} records", file=sys.stderr)
+        return 1
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from common.tokens import require_coord_tokens
+    from learner.model import build_optimizer
+    from learner.throughput import matmul_tflops, non_embedding_lm_params
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(path, device, dtype)
+    lm_params = non_embedding_lm_params(model)
+    training = argparse.Namespace(lr=1e-5, weight_decay=0.0, adamw_impl="fused", warmup_steps=0, max_steps=1000,
+                                  min_lr_ratio=0.1)
+    optimizer, scheduler = build_optimizer(model, training)
+    coord_ids = torch.tensor(require_coord_tokens(AutoTokenizer.from_pretrained(path), str(path)), device=device)
+    peak_tflops = matmul_tflops(device, dtype)
+    marks: list[Marks] = [Marks(device)]
+    hook_vision(model, marks)
+    setup = {"preset": args.preset, "embedding_rows": model.get_input_embeddings().weight.shape[0],
+             "lm_params_non_embedding": lm_params, "side": args.side, "max_objects": args.max_objects,
+             "packing_length": args.packing_length, "packs": len(packs), "pack_tokens": [p.n_tokens for p in packs],
+             "pack_images": [sum(len(s.image_grid_thw) for s in p.segments) for p in packs],
+             "peak_tflops": round(peak_tflops, 3), "dtype": str(dtype).removeprefix("torch."),
+             "torch": torch.__version__, "prep_s": round(prep_s, 1), "gradient_checkpointing": True}
+    print(json.dumps({"setup": setup}), flush=True)
+    rows = []
+    for row in args.rows.split(","):
+        rows.append(run_row(row, model, packs, args, optimizer, scheduler, coord_ids, dtype, device, marks,
+                            peak_tflops, lm_params))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""MFU in the step record and the summary (issue 31): 6 × non-embedding LM parameters × tokens/s ÷ the peak,
+with N counted on the real tiny model and the peak measured on this device unless the config gives it."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from launcher.summary import format_summary, print_summary
+from learner.metrics import RankStats, step_record
+from learner.throughput import Throughput, mfu, non_embedding_lm_params
+
+
+def test_n_counts_the_language_model_without_its_embeddings_vision_tower_or_head(tiny_model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lm = model.model.language_model
+    expected = sum(p.numel() for p in lm.parameters()) - lm.embed_tokens.weight.numel()
+    assert non_embedding_lm_params(model) == expected
+    assert 0 < expected < sum(p.numel() for p in model.parameters())
+
+
+def test_the_peak_is_measured_here_unless_the_config_gives_it(tiny_model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    given = Throughput.of(model, cpu, torch.float32, world_size=2, configured_peak=989.0)
+    assert (given.peak_source, given.facts()["throughput/peak_tflops"]) == ("config", 2 * 989.0)
+    measured = Throughput.of(model, cpu, torch.float32, world_size=1, configured_peak=None)
+    assert measured.peak_source == "measured" and measured.peak_tflops_per_rank > 0
+
+
+def _record(tokens: int, step_s: float, facts: dict) -> dict:
+    stats = RankStats()
+    stats["tokens"], stats["packs"], stats["time_step"] = tokens, 1, step_s
+    return step_record(0, [stats], facts, packing_length=12000)
+
+
+def test_the_step_record_states_mfu_from_its_own_tokens_per_second():
+    facts = {"throughput/lm_params_non_embedding": 2_775_000_000, "throughput/peak_tflops": 790.0,
+             "throughput/peak_source": "measured"}
+    rec = _record(tokens=12000, step_s=0.5, facts=facts)
+    assert rec["throughput/tokens_per_s"] == pytest.approx(24000.0)
+    assert rec["throughput/mfu"] == pytest.approx(6 * 2.775e9 * 24000 / 790e12)  # ~0.506
+    assert "throughput/mfu" not in _record(tokens=12000, step_s=0.5, facts={})  # no peak known: no MFU claimed
+    assert mfu(1.0, 1, 0.0) == 0.0
+
+
+def test_the_summary_prints_the_median_tokens_per_second_and_mfu_leaving_the_start_up_step_out(tmp_path, capsys):
+    facts = {"throughput/lm_params_non_embedding": 1_000_000_000, "throughput/peak_tflops": 100.0,
+             "throughput/peak_source": "measured"}
+    records = [{**_record(tokens=1000, step_s=s, facts=facts), "step": i} for i, s in enumerate([20.0, 1.0, 2.0, 4.0])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = print_summary(tmp_path)
+    out = capsys.readouterr().out
+    tps = statistics.median([1000 / s for s in (1.0, 2.0, 4.0)])  # 500: the 20 s first step is not in it
+    assert summary["tokens_per_s_median"] == pytest.approx(tps)
+    assert summary["mfu_median"] == pytest.approx(6 * 1e9 * tps / 100e12)
+    assert "500 tokens/s median, MFU 3.0 % (of 100.0 TFLOP/s, measured)" in out
+    assert "MFU" not in format_summary({**summary, "mfu_median": None, "tokens_per_s_median": None})
