@@ -1,4 +1,4 @@
-"""Detection quality of a set of per-image results: matcher P/R/F1@0.5 and COCO mAP (design section 13).
+"""Detection quality of a set of per-image results: matcher P/R/F1@0.5 and COCO mAP (docs/design.md section 13).
 
     per image: GT (desc, bins) + predictions (desc, bins, score) + how the rollout ended
         │

@@ -1,4 +1,4 @@
-"""The training loss of both channels (design section 3; origin semantics 4.2-4.3).
+"""The training loss of both channels (docs/design.md section 3).
 
 For one pack, with ``labels[p]`` predicted from the logits at ``p - 1``:
 

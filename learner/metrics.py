@@ -1,4 +1,4 @@
-"""Per-optimizer-step metrics: gathered from every rank, written by rank 0 (design section 10).
+"""Per-optimizer-step metrics: gathered from every rank, written by rank 0 (docs/design.md section 10).
 
 Each rank fills one :class:`RankStats` per step; :func:`gather_stats_record` all-gathers them as one
 fixed-length float vector (one collective, every rank, every step) and rank 0 turns them into one

@@ -1,4 +1,4 @@
-"""The sync fence (design section 4): the rollout server's admission gate and its version counter.
+"""The sync fence (docs/design.md section 4): the rollout server's admission gate and its version counter.
 
 Readers are /infer batches (:meth:`Fence.run`); the writer is a weight sync
 (:class:`rollout_server.sync.SyncController`). Each admitted batch holds a :class:`Ticket` carrying

@@ -1,4 +1,4 @@
-"""The weight-sync session state machine behind ``/sync/*`` (design section 4), owned by the rollout server.
+"""The weight-sync session state machine behind ``/sync/*`` (docs/design.md section 4), owned by the rollout server.
 
 :class:`SyncController` serves one sync client at a time. It closes the admission gate
 (:class:`rollout_server.fence.Fence`) while new weights arrive and reopens it under the next ``ver``

@@ -10,6 +10,7 @@ them by module name only. docs/architecture.md draws the same rules.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -98,3 +99,24 @@ def test_every_package_module_imports_cleanly_without_optional_stacks():
         except Exception as exc:  # noqa: BLE001 - collected and reported together
             failed.append(f"{module}: {type(exc).__name__}: {exc}")
     assert not failed, "\n".join(failed)
+
+
+#: What a reference to a document outside the repository looks like: the development environment's shared
+#: folder, or a design section not cited through the repository's own copy (docs/design.md).
+OUTSIDE_REFERENCES = (
+    re.compile(r"\.\./shared/"),
+    re.compile(r"(?<!docs/design\.md )\bdesign (section|brief)\b"),
+    re.compile(r"\borigin[- ]semantics\b", re.IGNORECASE),
+)
+
+
+def test_code_and_docs_cite_only_documents_the_repository_holds():
+    files = [p for p in REPO.rglob("*") if p.suffix in (".py", ".md", ".yaml", ".sh", ".toml") and p.is_file()
+             and not ({".git", "artifacts", "runs", "__pycache__", ".whl"} & set(p.relative_to(REPO).parts))]
+    found = [f"{rel(p)}:{n}: {line.strip()[:100]}" for p in files
+             for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if any(rx.search(line) for rx in OUTSIDE_REFERENCES) and p != Path(__file__)]
+    assert not found, "cite docs/ (docs/design.md holds the design contracts) instead of:\n" + "\n".join(found)
+    for p in files:  # every "docs/<name>.md" named anywhere exists
+        for name in re.findall(r"\bdocs/([a-z_]+\.md)\b", p.read_text(encoding="utf-8", errors="replace")):
+            assert (REPO / "docs" / name).exists(), f"{rel(p)} cites docs/{name}, which does not exist"
