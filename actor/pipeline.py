@@ -176,7 +176,8 @@ class Pipeline:
         c["rollout/finish_length"] += int(rollout.finish_reason == "length")
 
         t0 = time.perf_counter()
-        parse = parse_rollout(rollout.token_ids, self.tokenizer, coord_ids=self.coord_ids)
+        parse = parse_rollout(rollout.token_ids, self.tokenizer, coord_ids=self.coord_ids,
+                              answer_format=self.encoder.prompts.answer_format)
         t1 = time.perf_counter()
         gt = canonical_order(sample.record.objects)  # FN are appended in this order (common/targets.py)
         pred_boxes = np.array([o.bins for o in parse.valid_objects], dtype=np.float64).reshape(-1, 4)

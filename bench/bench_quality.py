@@ -1,7 +1,8 @@
 """Quality per learner-second: A-only vs async AB vs the synchronous ``step`` mode, from one warm start.
 
     python bench/bench_quality.py [--config configs/demo_cpu.yaml] [--budget-s 90] [--eval-every 25]
-        [--arms a_only,async_ab,step] [--out runs/bench-quality] [--quick] [--json OUT] [key=value ...]
+        [--arms a_only,async_ab,step] [--seeds 5] [--val-images 512] [--out runs/bench-quality] [--quick]
+        [--json OUT] [key=value ...]
 
 Every arm is the real topology (``python -m launcher``: rollout server, actors where the mode has them,
 the torchrun learner) started from the config's ``model.path`` (the Stage-1 warm start) with the same
@@ -21,8 +22,20 @@ Every arm runs ONE learner rank (``step`` cannot run more), so the comparison is
 (val F1@0.5 and mAP against learner seconds). The table: first, last and best F1/mAP, learner seconds,
 steps, B steps, and the ratio of each arm's final F1 to the A-only arm's.
 
-``--quick`` (what ``make test`` runs, so the script cannot rot): a 4-second budget and one evaluation
-at each end — it checks the plumbing, not the quality.
+Statistics (issue 34; docs/benchmarks.md §21): ``--seeds N`` runs every
+arm with ``training.seed`` 0..N-1 (the learner's data order, the rollout sampling seeds and the actors'
+streams all derive from it), so seed s of one arm and seed s of another differ only by the arm. Per arm:
+the mean over seeds of the final F1 and of the mean F1 after the start, with a 95 % Student-t interval;
+per arm against the first arm: the mean of the per-seed differences and its t-interval (paired by
+seed). Within one run, each evaluation's own interval is the bootstrap over images
+(``eval/f1_ci_low``/``high``, common/eval_stats.py). ``--val-images N`` evaluates N images: a
+validation set of that size is generated beside the training data from its ``manifest.json``
+(the same generator, seed and shapes; the records after the training ones, so the config's own val
+images are its first ones), and ``training.eval_max_images`` is set to N. The plot shows per arm the
+mean curve over seeds (each interpolated onto common learner seconds) with its t-band.
+
+``--quick`` (what ``make test`` runs, so the script cannot rot): a 4-second budget, one seed and one
+evaluation at each end — it checks the plumbing, not the quality.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.eval_stats import paired_t_difference, t_interval  # noqa: E402
 from launcher.summary import read_split  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
@@ -48,15 +62,21 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def run_arm(name: str, args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+def run_name(arm: str, seed: int, n_seeds: int) -> str:
+    """The arm's run folder: ``async_ab`` for one seed (as before), ``async_ab-s3`` with several."""
+    return arm if n_seeds == 1 else f"{arm}-s{seed}"
+
+
+def run_arm(name: str, args: argparse.Namespace, overrides: list[str], seed: int = 0) -> dict[str, Any]:
     """Start one arm through the launcher (deadline: the budget plus start-up and evaluation room)."""
-    out = Path(args.out) / name
-    argv = [sys.executable, "-m", "launcher", "--config", args.config, *ARMS[name],
-            f"training.output_dir={out}", f"run_name=bench-quality-{name}", "learner.nproc_per_node=1",
+    folder = run_name(name, seed, args.seeds)
+    out = Path(args.out) / folder
+    argv = [sys.executable, "-m", "launcher", "--config", args.config, *ARMS[name], f"training.seed={seed}",
+            f"training.output_dir={out}", f"run_name=bench-quality-{folder}", "learner.nproc_per_node=1",
             f"training.max_train_seconds={args.budget_s}", "training.max_steps=100000",
             f"training.eval_every_steps={args.eval_every}", "training.save_every_steps=0",
             "training.overwrite=true", *overrides]  # a re-run moves the arm's previous run aside (never deletes)
-    launcher_out = Path(args.out) / f"{name}.launcher.out"  # beside the run: the run dir may be moved aside
+    launcher_out = Path(args.out) / f"{folder}.launcher.out"  # beside the run: the run dir may be moved aside
     launcher_out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(launcher_out, "w") as log:
@@ -66,7 +86,73 @@ def run_arm(name: str, args: argparse.Namespace, overrides: list[str]) -> dict[s
     if proc.returncode != 0 or not steps:
         raise RuntimeError(f"arm {name} failed (exit {proc.returncode}, {len(steps)} step records); "
                            f"see {launcher_out} and {out / 'logs'}")
-    return arm_figures(name, steps, evals, wall_s=time.monotonic() - t0)
+    return {**arm_figures(name, steps, evals, wall_s=time.monotonic() - t0), "seed": seed}
+
+
+def larger_val_set(cfg_path: str, overrides: list[str], n_images: int) -> Path:
+    """A validation JSONL of ``n_images`` from the training data's generator (module docstring): built once
+    beside the training data, reused by later calls. ValueError when the training data has no synthetic manifest."""
+    from common.config import load_config
+    from common.synthetic import MANIFEST, generate
+
+    train = Path(load_config(cfg_path, [o for o in overrides if "=" in o]).data.train_jsonl)
+    try:
+        params = json.loads((train.parent / MANIFEST).read_text())["params"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--val-images needs synthetic training data (common/synthetic.py's {MANIFEST} beside "
+                         f"{train}): {exc}. Otherwise pass data.val_jsonl=<a JSONL with >= {n_images} records>"
+                         ) from exc
+    out = train.parent.with_name(f"{train.parent.name}-val{n_images}")
+    shape = {k: params[k] for k in ("max_objects", "size_range", "min_objects", "near_duplicate_p") if k in params}
+    generate(out, seed=params["seed"], sides=params["sides"], split=(params["n_train"], n_images), **shape)
+    return out / "val.jsonl"
+
+
+#: What each seed contributes to an arm's statistics: the final evaluation's F1 and the mean of those after step 0.
+STAT_KEYS = ("last_f1", "mean_f1_after_start")
+
+
+def per_run_values(run: dict[str, Any]) -> dict[str, float | None]:
+    after = [c["f1"] for c in run["curve"][1:] if c["f1"] is not None]
+    return {"last_f1": (run["last"] or {}).get("f1"), "mean_f1_after_start": sum(after) / len(after) if after else None}
+
+
+def statistics_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm: the t-interval over seeds of :data:`STAT_KEYS`; per arm after the first: the paired
+    difference to the first arm over the seeds both ran (common/eval_stats.py)."""
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    values = {a: {r["seed"]: per_run_values(r) for r in runs if r["arm"] == a} for a in arms}
+    out: dict[str, Any] = {"per_arm": {}, "vs_" + arms[0]: {}} if arms else {"per_arm": {}}
+    for a in arms:
+        out["per_arm"][a] = {k: t_interval([v[k] for v in values[a].values()]) for k in STAT_KEYS}
+    for a in arms[1:]:
+        out["vs_" + arms[0]][a] = {k: paired_t_difference({s: v[k] for s, v in values[arms[0]].items()},
+                                                         {s: v[k] for s, v in values[a].items()}) for k in STAT_KEYS}
+    return out
+
+
+def stats_table(stats: dict[str, Any]) -> str:
+    """``arm  n  last F1 mean [low, high]  mean F1 after start [..]`` and the paired differences."""
+    def iv(d: dict[str, Any], sign: str = "") -> str:
+        if d.get("mean") is None:
+            return "n/a"
+        if d.get("low") is None:
+            return f"{d['mean']:{sign}.3f} (1 seed: no interval)"
+        band = f" [{d['low']:{sign}.3f}, {d['high']:{sign}.3f}]"
+        return f"{d['mean']:{sign}.3f}{band}"
+
+    lines = ["per arm over seeds (mean, 95 % t-interval):"]
+    for a, d in stats["per_arm"].items():
+        lines.append(f"  {a:9} n={d['last_f1']['n']}  F1 last {iv(d['last_f1'])}  F1 mean after start "
+                     f"{iv(d['mean_f1_after_start'])}")
+    for key, arms in ((k, v) for k, v in stats.items() if k.startswith("vs_")):
+        for a, d in arms.items():
+            verdict = {True: "outside the noise", False: "within the noise", None: "no interval"}
+            lines.append(f"  {a} − {key[3:]} (paired over seeds {d['last_f1']['seeds']}): "
+                         f"F1 last {iv(d['last_f1'], '+')} "
+                         f"({verdict[d['last_f1']['outside_noise']]}), mean after start "
+                         f"{iv(d['mean_f1_after_start'], '+')} ({verdict[d['mean_f1_after_start']['outside_noise']]})")
+    return "\n".join(lines)
 
 
 def learner_seconds_at(steps: list[dict[str, Any]], step: float) -> float:
@@ -93,17 +179,20 @@ def arm_figures(name: str, steps: list[dict[str, Any]], evals: list[dict[str, An
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    base = next((r for r in results if r["arm"] == "a_only" and r["last"]), None)
-    lines = [f"{'arm':9} {'learner s':>9} {'steps':>6} {'B':>4} {'F1 first':>8} {'F1 last':>8} {'F1 best':>8} "
-             f"{'mAP last':>8} {'mAP50 last':>10} {'F1 vs A-only':>12}"]
+    """One row per run; the F1 ratio is to the A-only run of the same seed."""
+    bases = {r.get("seed", 0): r for r in results if r["arm"] == "a_only" and r["last"]}
+    lines = [f"{'arm':9} {'seed':>4} {'learner s':>9} {'steps':>6} {'B':>4} {'F1 first':>8} {'F1 last':>8} "
+             f"{'F1 best':>8} {'mAP last':>8} {'mAP50 last':>10} {'F1 vs A-only':>12}"]
     for r in results:
         first, last, best = r["first"] or {}, r["last"] or {}, r["best"] or {}
+        base = bases.get(r.get("seed", 0))
         ratio = (last["f1"] / base["last"]["f1"]) if base and last and base["last"]["f1"] else None
 
         def f(v: Any, w: int = 8) -> str:
             return f"{v:{w}.3f}" if isinstance(v, (int, float)) else f"{'n/a':>{w}}"
 
-        lines.append(f"{r['arm']:9} {r['learner_s']:9.1f} {r['steps']:6d} {r['b_steps']:4d} {f(first.get('f1'))} "
+        lines.append(f"{r['arm']:9} {r.get('seed', 0):4d} {r['learner_s']:9.1f} {r['steps']:6d} {r['b_steps']:4d} "
+                     f"{f(first.get('f1'))} "
                      f"{f(last.get('f1'))} {f(best.get('f1'))} {f(last.get('map'))} {f(last.get('map_50'), 10)} "
                      f"{f(ratio, 12)}")
     return "\n".join(lines)
@@ -117,16 +206,44 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for key, ax, title in (("f1", axes[0], "val F1@0.5"), ("map", axes[1], "val COCO mAP@[.5:.95]")):
-        for r in results:
-            pts = [(c["learner_s"], c[key]) for c in r["curve"] if c[key] is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{r['arm']} ({r['b_steps']} B of {r['steps']} steps)")
+        for arm in dict.fromkeys(r["arm"] for r in results):
+            runs = [r for r in results if r["arm"] == arm]
+            band = mean_band(runs, key)
+            if band is None:
+                continue
+            x, mean, low, high = band
+            steps = sum(r["steps"] for r in runs) / len(runs)
+            b_steps = sum(r["b_steps"] for r in runs) / len(runs)
+            seeds = f"{len(runs)} seed{'s' * (len(runs) > 1)}"
+            line, = ax.plot(x, mean, marker="o" if len(runs) == 1 else None,
+                            label=f"{arm} ({b_steps:.0f} B of {steps:.0f} steps, {seeds})")
+            if low is not None:
+                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_title(title)
-        ax.set_xlabel("learner seconds (sum of time/step)")
+        ax.set_xlabel("learner seconds (sum of time/step); bands: 95 % t-interval over seeds")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def mean_band(runs: list[dict[str, Any]], key: str, points: int = 25) -> tuple | None:
+    """(x, mean, low, high) of ``key`` over ``runs`` (one arm, several seeds): each run's curve interpolated onto
+    common learner seconds up to the shortest run's end (evaluations fall at different seconds per seed);
+    low/high the 95 % t-interval per point, None for one run (then x and mean are its own evaluations)."""
+    import numpy as np
+
+    curves = [[(c["learner_s"], c[key]) for c in r["curve"] if c[key] is not None] for r in runs]
+    curves = [c for c in curves if c]
+    if not curves:
+        return None
+    if len(curves) == 1:
+        x, y = zip(*curves[0])
+        return list(x), list(y), None, None
+    grid = np.linspace(0.0, min(c[-1][0] for c in curves), points)
+    ys = np.array([np.interp(grid, *zip(*c)) for c in curves])
+    bands = [t_interval(list(col)) for col in ys.T]
+    return (list(grid), [b["mean"] for b in bands], [b["low"] for b in bands], [b["high"] for b in bands])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,24 +254,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     ap.add_argument("--out", default="runs/bench-quality")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--seeds", type=int, default=1, help="runs per arm, training.seed 0..N-1 (default %(default)s)")
+    ap.add_argument("--val-images", type=int, default=None,
+                    help="evaluate N images, from a validation set of that size generated beside the training data")
     ap.add_argument("--quick", action="store_true", help="4 s per arm, evaluation at the ends only: a smoke run")
     args, overrides = ap.parse_known_args(argv)
+    if args.seeds < 1 or (args.val_images is not None and args.val_images < 1):
+        ap.error("--seeds and --val-images must be >= 1")
     arms = [a for a in args.arms.split(",") if a]
     if bad := [a for a in arms if a not in ARMS]:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
     if args.quick:
         args.budget_s, args.eval_every = 4.0, 0
+    if args.val_images is not None:
+        try:
+            val = larger_val_set(args.config, overrides, args.val_images)
+        except ValueError as exc:
+            ap.error(str(exc))
+        overrides = [*overrides, f"data.val_jsonl={val}", f"training.eval_max_images={args.val_images}"]
     results = []
-    for name in arms:
-        print(f"arm {name}: {args.budget_s:g} learner seconds ...", flush=True)
-        results.append(run_arm(name, args, overrides))
+    for seed in range(args.seeds):  # seed-major: an interrupted run still has whole seeds of every arm
+        for name in arms:
+            print(f"arm {name}, seed {seed}: {args.budget_s:g} learner seconds ...", flush=True)
+            results.append(run_arm(name, args, overrides, seed))
     out = Path(args.out)
-    payload = {"config": args.config, "budget_s": args.budget_s, "overrides": overrides, "arms": results}
+    stats = statistics_of(results)
+    payload = {"config": args.config, "budget_s": args.budget_s, "seeds": args.seeds, "val_images": args.val_images,
+               "overrides": overrides, "arms": results, "statistics": stats}
     (out / "quality.json").write_text(json.dumps(payload, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=1))
     plot(results, out / "quality.png")
     print(table(results))
+    print(stats_table(stats))
     print(f"curves: {out / 'quality.png'}; figures: {out / 'quality.json'}")
     return 0
 

@@ -1,9 +1,14 @@
 """Side by side: runs of the same config in different modes (e.g. async vs the synchronous ``step``).
 
-Reads each run's ``metrics.jsonl`` step records (``read_metrics``: evaluation records are left out) and prints, per run, what
+Reads each run's ``metrics.jsonl`` (``read_split``: step and evaluation records) and prints, per run, what
 a user weighs when choosing a mode: training time (sum of ``time/step``, so start-up is excluded),
 the time spent waiting for rollouts, B steps and the Channel-B samples and tokens they trained, and
-B samples per second of training time. Ratios are taken against the first run given.
+B samples per second of training time. Ratios are taken against the first run given. Where the runs
+evaluated (``"record": "eval"``): the last evaluation's val F1 with its 95 % bootstrap interval over
+images, and, against the first run, the paired-bootstrap difference of the last evaluations when both
+scored as many images (``eval/image_counts``; common/eval_stats.py; pairing assumes the same
+validation set, in the same order, which the runs' ``data.val_jsonl`` must ensure): one run each, so this is the
+evaluation noise only, not the seed-to-seed spread (bench/bench_quality.py --seeds measures that).
 
     python bench/compare_runs.py [--json OUT] RUN_DIR RUN_DIR...
 """
@@ -19,7 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher.summary import K, read_metrics  # noqa: E402
+from common.eval_stats import ImageCounts, paired_f1_difference  # noqa: E402
+from launcher.summary import K, read_split  # noqa: E402
 
 
 def _median(xs: list[float]) -> float | None:
@@ -47,13 +53,35 @@ def compare_one(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def eval_figures(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last evaluation's F1 and its bootstrap interval (absent without evaluations)."""
+    if not evals or evals[-1].get("eval/f1") is None:
+        return {}
+    last = evals[-1]
+    return {"val_f1_last": last["eval/f1"], "val_f1_last_ci_low": last.get("eval/f1_ci_low"),
+            "val_f1_last_ci_high": last.get("eval/f1_ci_high")}
+
+
+def _last_counts(evals: list[dict[str, Any]]) -> ImageCounts | None:
+    try:
+        return ImageCounts.from_dict(evals[-1].get("eval/image_counts")) if evals else None
+    except ValueError:  # a run from before the counts were recorded
+        return None
+
+
 def compare(run_dirs: list[Path]) -> dict[str, dict[str, Any]]:
-    out = {str(d): compare_one(read_metrics(d)) for d in run_dirs}
+    read = {str(d): read_split(d) for d in run_dirs}
+    out = {k: {**compare_one(steps), **eval_figures(evals)} if steps else {} for k, (steps, evals) in read.items()}
     base = next(iter(out.values()), {})
-    for figures in out.values():
+    base_counts = _last_counts(next(iter(read.values()), ([], []))[1])
+    for i, (run, figures) in enumerate(out.items()):
         for key in ("b_samples_per_train_s", "steps_per_train_s"):
             if figures.get(key) and base.get(key):
                 figures[key.replace("_per_train_s", "_rate_vs_first")] = figures[key] / base[key]
+        counts = _last_counts(read[run][1]) if i else None
+        if base_counts is not None and counts is not None and (d := paired_f1_difference(base_counts, counts)):
+            figures.update({"val_f1_vs_first": d["diff"], "val_f1_vs_first_ci_low": d["low"],
+                            "val_f1_vs_first_ci_high": d["high"], "val_f1_vs_first_outside_noise": d["outside_noise"]})
     return out
 
 

@@ -301,12 +301,36 @@ def canonical_order(objects: Iterable[GTObject]) -> list[GTObject]:
     return sorted(objects, key=lambda o: (o.bins[1], o.bins[0]))
 
 
-def serialize_objects(objects: Sequence[GTObject]) -> str:
-    """The single-line assistant JSON, keys ``object_1..K`` in the order given (``{}`` if empty).
+#: ``data.answer_format``: the shape of the assistant JSON. ``object_keys`` (the origin at 622c7e4, the default):
+#: ``{"object_1": {...}, "object_2": {...}}``, ``{}`` if empty; ``objects_array`` (the origin's later "CoordJSON
+#: objects-array"): ``{"objects": [{...}, {...}]}``, ``{"objects": []}`` if empty. Each object is the same
+#: ``{"desc": ..., "bbox_2d": [4 coord tokens]}`` in both, and the parser of one format reads the other as invalid.
+ANSWER_FORMATS = ("object_keys", "objects_array")
+OBJECTS_ARRAY_KEY = "objects"
+
+
+def check_answer_format(answer_format: str) -> str:
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"unknown answer format {answer_format!r}; set data.answer_format to one of "
+                         f"{', '.join(ANSWER_FORMATS)}")
+    return answer_format
+
+
+def answer_opening(answer_format: str) -> str:
+    """The text before the first object: what a rollout prefix with no complete object is cut back to."""
+    return '{"' + OBJECTS_ARRAY_KEY + '": [' if check_answer_format(answer_format) == "objects_array" else "{"
+
+
+def serialize_objects(objects: Sequence[GTObject], answer_format: str = "object_keys") -> str:
+    """The single-line assistant JSON in ``answer_format`` (:data:`ANSWER_FORMATS`), objects in the order given;
+    ``object_keys`` numbers the keys ``object_1..K``.
 
     Channel-A passes :func:`canonical_order` output; Channel-B passes matched-then-FN order.
     """
-    payload = {f"object_{i}": o.payload() for i, o in enumerate(objects, 1)}
+    if check_answer_format(answer_format) == "objects_array":
+        payload: dict[str, Any] = {OBJECTS_ARRAY_KEY: [o.payload() for o in objects]}
+    else:
+        payload = {f"object_{i}": o.payload() for i, o in enumerate(objects, 1)}
     return json.dumps(payload, ensure_ascii=False, separators=(", ", ": "))
 
 
@@ -322,6 +346,17 @@ SYSTEM_PROMPT = (
     "being the position as a fraction of the image width or height times 999; never plain numbers. "
     "Use one space after each colon and comma and no line breaks. If there is no object, answer {}."
 )
+# The same instructions for data.answer_format: objects_array (the origin's later format).
+SYSTEM_PROMPT_OBJECTS_ARRAY = (
+    "You are a visual object detector. Answer with exactly one JSON object on a single line: "
+    '{"objects": [{"desc": "<short description>", "bbox_2d": ["<|coord_N|>", "<|coord_N|>", '
+    '"<|coord_N|>", "<|coord_N|>"]}, {...}]}. '
+    "List the objects in reading order: top to bottom, then left to right. "
+    'Each object has a short "desc" and exactly one geometry, "bbox_2d": its top-left corner x1, y1 '
+    "and bottom-right corner x2, y2. Write every coordinate as one <|coord_N|> token, N from 0 to 999 "
+    "being the position as a fraction of the image width or height times 999; never plain numbers. "
+    'Use one space after each colon and comma and no line breaks. If there is no object, answer {"objects": []}.'
+)
 USER_PROMPT = (
     "Detect every object in the image. Answer with the single-line JSON object described in the "
     "instructions, objects ordered top to bottom then left to right, coordinates as <|coord_N|> tokens."
@@ -330,7 +365,8 @@ USER_PROMPT = (
 
 @dataclass(frozen=True)
 class Prompts:
-    """The system and user texts of every request (``data.system_prompt`` / ``data.user_prompt``).
+    """The system and user texts of every request (``data.system_prompt`` / ``data.user_prompt``) and the answer
+    format they ask for (``data.answer_format``: every target is written and every answer parsed in it).
 
     A Stage-2 run must prompt its model exactly as its Stage-1 was trained; the defaults are the
     instructions above. The embedded tiny detector uses a one-line pair (configs/demo_cpu.yaml): with
@@ -340,11 +376,13 @@ class Prompts:
 
     system: str = SYSTEM_PROMPT
     user: str = USER_PROMPT
+    answer_format: str = "object_keys"
 
     @classmethod
-    def of(cls, system: str | None, user: str | None) -> Prompts:
-        """From the config's optional texts (None = the default)."""
-        return cls(system if system is not None else SYSTEM_PROMPT, user if user is not None else USER_PROMPT)
+    def of(cls, system: str | None, user: str | None, answer_format: str = "object_keys") -> Prompts:
+        """From the config's optional texts (None = the default instructions of ``answer_format``)."""
+        default = SYSTEM_PROMPT_OBJECTS_ARRAY if check_answer_format(answer_format) == "objects_array" else SYSTEM_PROMPT
+        return cls(system if system is not None else default, user if user is not None else USER_PROMPT, answer_format)
 
 
 DEFAULT_PROMPTS = Prompts()

@@ -49,6 +49,7 @@ from common.config_migration import key_problems, value_problem
 from common.config_learner import FsdpConfig, check_learner_rules  # noqa: F401 - FsdpConfig re-exported
 from common.config_server import check_server_rules
 from common.config_run import check_run_rules
+from common.config_recipe import check_recipe_rules
 from common.schedule import exact_ratio
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,10 @@ def _convert(tp: Any, value: Any, dotted: str, problems: _Problems) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1 and typing.get_origin(inner[0]) is list:
             return _convert(inner[0], value, dotted, problems)
+        for arg in inner:  # an optional section (a mapping) or a str-or-list key given as a list
+            if (dataclasses.is_dataclass(arg) and isinstance(value, dict)) or (
+                    typing.get_origin(arg) is list and isinstance(value, list)):
+                return _convert(arg, value, dotted, problems)
     if origin is list:
         if not isinstance(value, list):
             problems.add(dotted, value, f"expected a list of {_describe(args[0])}", f"write {dotted} as a YAML list")
@@ -309,6 +314,7 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     check_server_rules(srv, problems)
     check_learner_rules(cfg, problems)
     check_run_rules(cfg, problems)
+    check_recipe_rules(cfg, problems)
     positive("transport.base_port", cfg.transport.base_port)
 
 

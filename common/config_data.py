@@ -31,6 +31,12 @@ class DataConfig:
         "divided by the record's width/height) or norm1000 (bins 0..999, kept as they are; the origin's records). "
         "None = every record must carry coord_mode. A record whose own coord_mode disagrees is an error, never a "
         "rescale (docs/data.md).", None)
+    answer_format: Literal["object_keys", "objects_array"] = doc(
+        "The assistant JSON the model is trained to write and its answers are parsed in (strictly: the other format "
+        "parses as invalid). object_keys: {\"object_1\": {\"desc\": ..., \"bbox_2d\": [4 coord tokens]}, ...} (the "
+        "origin's Stage-1 format); objects_array: {\"objects\": [{\"desc\": ..., \"bbox_2d\": [...]}, ...]} (the "
+        "origin's later format). Use the format your Stage-1 checkpoint answers in; with system_prompt None the "
+        "built-in instructions describe it (common/assistant_json.py). docs/models.md.", "object_keys")
     on_bad_record: Literal["fail", "skip"] = doc(
         "A record that breaks the contract (docs/data.md) or whose image is missing. fail: the first "
         "num_records_checked_at_start records of train_jsonl are checked before any training work and one bad "

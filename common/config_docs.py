@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 import typing
 from typing import Any
 
@@ -31,13 +32,18 @@ def markdown_reference(cls: type = Config, prefix: str = "") -> str:
         if dataclasses.is_dataclass(tp):
             subs.append((key, tp))
             continue
+        union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)] if union else []
+        if optional:  # an optional section (model.adapter): a row of its own, its keys in their section below
+            subs.append((key, optional[0]))
         if f.metadata.get("required"):
             default = "**required**"
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = f"`{to_dict_value(f.default_factory())}`"  # type: ignore[misc]
         else:
             default = f"`{f.default!r}`"
-        rows.append(f"| `{key}` | {_describe(tp).replace('|', '/')} | {default} | {f.metadata.get('doc', '')} |")
+        kind = "mapping (its keys below) or null" if optional else _describe(tp).replace('|', '/')
+        rows.append(f"| `{key}` | {kind} | {default} | {f.metadata.get('doc', '')} |")
     if rows:
         lines += [f"## `{prefix or 'top level'}`", "", (cls.__doc__ or "").strip(), "",
                   "| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from common.config_data import DataConfig
 from common.config_fields import REQUIRED, doc  # noqa: F401 - re-exported
 from common.config_learner import LearnerConfig
+from common.config_recipe import AdapterConfig, LrGroups
 from common.config_run import TrainingRunKeys
 
 # --------------------------------------------------------------------------------------------- schema
@@ -40,6 +41,10 @@ class ModelConfig:
         "sdpa",
     )
     coord_tokens: bool = doc("Require the 1000 <|coord_k|> tokens in the tokenizer (fail at start if absent).", True)
+    freeze: list[Literal["vision", "merger", "llm"]] = doc(
+        "Module groups that do not train (common/config_recipe.py names them): no gradients, no AdamW state, and "
+        "bit-identical weights through the run. Any subset of vision, merger, llm.", factory=list)
+    adapter: AdapterConfig | None = doc("peft LoRA/DoRA adapter (docs/models.md); null = full fine-tuning.", None)
 
 
 @dataclass
@@ -61,6 +66,8 @@ class TrainingConfig(TrainingRunKeys):
     pack_max_wait_s: float = doc("... or once its oldest segment waited this long (sent underfilled, counted).", 2.0)
     lr: float = doc("Peak learning rate (AdamW).", 1.0e-5)
     weight_decay: float = doc("AdamW weight decay.", 0.0)
+    lr_groups: LrGroups = doc("Per-module-group lr and weight decay (vision, merger, llm); train/lr_<group> in the "
+                              "metrics. A group left out trains at lr / weight_decay.", factory=LrGroups)
     adamw_impl: Literal["auto", "fused", "foreach"] = doc(
         "torch.optim.AdamW implementation. fused: one kernel per parameter group pass, on CUDA and on the CPU (where "
         "learner.fsdp.cpu_offload runs the step: ~6x faster than foreach there for bf16); foreach: torch's "

@@ -6,6 +6,7 @@
         ├─► pycocotools COCOeval (class-agnostic "object", pixel boxes) ─► mAP@[.5:.95], mAP@.5
         ├─► pycocotools COCOeval (category = GT desc) ─► AP per class, their mean (the COCO-comparable mAP)
         ├─► LVIS records (neg / not-exhaustive categories): federated AP (common/lvis_eval.py)
+        ├─► per-image counts (common/eval_stats.py) ─► F1's bootstrap interval, duplicate rate, F1 by GT count
         └─► rollout health: parse failures, truncations, objects/image, drops by reason
 
 Per-class AP: the categories are the distinct GT descs of the eval set (a converted COCO/LVIS set's
@@ -46,7 +47,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from common.assistant_json import MAX_BIN, GTObject, Record
-from common.matching import hungarian_match, precision_recall_f1
+from common.eval_stats import ImageCounts, by_gt_count, f1_interval
+from common.matching import box_iou, hungarian_match, precision_recall_f1
 from common.parsing import DROP_REASONS, ParseResult
 
 IOU_THRESHOLD = 0.5
@@ -131,6 +133,12 @@ class DetectionReport:
     map_50_per_class: float | None = None
     ap_by_class: dict[str, dict[str, Any]] = field(default_factory=dict)  # desc -> {"ap", "ap_50", "n_gt", "n_pred"}
     n_pred_unknown_desc: int = 0  # predictions whose desc is no GT category (in no category's AP)
+    f1_ci_low: float | None = None  # 95 % percentile bootstrap over images of f1 (common/eval_stats.py)
+    f1_ci_high: float | None = None
+    n_duplicate: int = 0  # unmatched predictions with IoU >= iou_threshold to a GT another prediction matched
+    duplicate_rate: float | None = None  # n_duplicate / n_pred; None without predictions
+    by_gt_count: dict[str, dict[str, Any]] = field(default_factory=dict)  # "10_19" -> {n_images, precision, recall, f1}
+    image_counts: ImageCounts | None = None  # per image, in order: what the intervals resample
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -261,6 +269,17 @@ def coco_per_class(images: Sequence[ImageResult]) -> ClassAP | None:
                    n_pred_unknown_desc=sum(n for c, n in n_pred.items() if c not in n_gt))
 
 
+def n_duplicates(im: ImageResult, match: Any, iou_threshold: float = IOU_THRESHOLD) -> int:
+    """Predictions the matcher left unmatched that overlap an already-matched GT at IoU >= ``iou_threshold``:
+    a second box on an object the model had found (what a crowded scene's repeated shapes provoke).
+    An unmatched box on an unfound GT is a localisation miss, not a duplicate."""
+    matched_gt = [g for _, g in match.matched_pairs]
+    if not match.fp_pred_indices or not matched_gt:
+        return 0
+    iou = box_iou([im.preds[i].bins for i in match.fp_pred_indices], [im.gt[g].bins for g in matched_gt])
+    return int((iou >= iou_threshold).any(axis=1).sum())
+
+
 def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "constant",
                         iou_threshold: float = IOU_THRESHOLD, federated: Sequence[Any] | None = None) -> DetectionReport:
     """The report of module docstring for ``images``; ValueError for an empty set or a bad score.
@@ -273,6 +292,7 @@ def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "c
         raise ValueError(f"score_source must be one of {SCORE_SOURCES}, got {score_source!r}")
     n_gt = n_pred = n_matched = 0
     ious: list[float] = []
+    per_image: list[tuple[int, int, int, int]] = []
     dropped = dict.fromkeys(DROP_REASONS, 0)
     for im in images:
         for p in im.preds:
@@ -284,6 +304,7 @@ def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "c
         n_pred += len(im.preds)
         n_matched += match.n_matched
         ious += match.matched_ious
+        per_image.append((match.n_matched, len(im.preds), len(im.gt), n_duplicates(im, match, iou_threshold)))
         for reason, k in im.dropped_by_reason.items():
             dropped[reason] = dropped.get(reason, 0) + int(k)
 
@@ -307,6 +328,9 @@ def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "c
     if score_source == "constant" and n_pred:
         notes.append("scores are constant (no logprobs): COCO AP ranks ties in input order")
     n = len(images)
+    counts = ImageCounts(*(tuple(col) for col in zip(*per_image)))
+    ci = f1_interval(counts) if f1 is not None else None
+    n_dup = sum(counts.n_dup)
     return DetectionReport(
         n_images=n, n_gt=n_gt, n_pred=n_pred, n_matched=n_matched, precision=precision, recall=recall, f1=f1,
         map=m, map_50=m50, mean_matched_iou=sum(ious) / len(ious) if ious else None,
@@ -314,6 +338,8 @@ def evaluate_detections(images: Sequence[ImageResult], *, score_source: str = "c
         truncated_rate=sum(im.finish_reason == "length" for im in images) / n,
         objects_per_image=n_pred / n, gt_per_image=n_gt / n, dropped_objects=dropped,
         score_source=score_source, iou_threshold=iou_threshold, notes=notes, lvis_map=lvis[0], lvis_map_50=lvis[1],
+        f1_ci_low=ci[0] if ci else None, f1_ci_high=ci[1] if ci else None, n_duplicate=n_dup,
+        duplicate_rate=n_dup / n_pred if n_pred else None, by_gt_count=by_gt_count(counts), image_counts=counts,
         **({} if per_class is None else {
             "map_per_class": per_class.map, "map_50_per_class": per_class.map_50, "ap_by_class": per_class.by_class,
             "n_pred_unknown_desc": per_class.n_pred_unknown_desc}),

@@ -149,6 +149,10 @@ class EvalResult:
             "eval/mean_matched_iou": r.mean_matched_iou, "eval/ver": self.ver_max, "eval/time_s": self.elapsed_s,
             "eval/score_source": r.score_source,
             "eval/ver_min": self.ver_min if self.ver_min != self.ver_max else None,
+            "eval/f1_ci_low": r.f1_ci_low, "eval/f1_ci_high": r.f1_ci_high, "eval/duplicate_rate": r.duplicate_rate,
+            **{f"eval/f1_gt_{name}": b["f1"] for name, b in r.by_gt_count.items()},
+            # per-image counts ride with the record so the summary can bootstrap first vs last (common/eval_stats.py)
+            "eval/image_counts": r.image_counts.as_dict() if r.image_counts is not None else None,
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -209,7 +213,7 @@ def evaluate_records(records: Sequence[Record], infer: InferFn, *, tokenizer: An
     images = []
     for i, (rec, out) in enumerate(zip(records, outputs)):
         ids = [] if i in aborted else out.token_ids  # aborted tokens are unusable: a failed rollout
-        parse = parse_rollout(ids, tokenizer, coord_ids=coord_ids)
+        parse = parse_rollout(ids, tokenizer, coord_ids=coord_ids, answer_format=prompts.answer_format)
         scores = object_scores(parse, out.logprobs if with_logprobs and i not in aborted else None)
         images.append(ImageResult.from_parse(rec, parse, scores, finish_reason=out.finish_reason, images=paths[i],
                                              ver=vers[i]))

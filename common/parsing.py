@@ -13,6 +13,12 @@ The response is read through the tokenizer's own per-token pieces, never re-toke
                        (the one token the cut falls inside is re-encoded and must decode back;
                         common.token_text.cut_tokens_at_char)
 
+Two answer formats (``data.answer_format``, :data:`common.assistant_json.ANSWER_FORMATS`), one scanner: in
+``object_keys`` objects are the values of the top-level ``"object_N"`` keys (their ``{`` opens at container depth
+1); in ``objects_array`` they are the elements of the top-level ``"objects"`` array (depth 2), any other top-level
+key or non-object element is counted as ``key_invalid``, and the prefix with no complete object is cut back to
+``{"objects": [`` instead of ``{``. Everything else (the cut, captures, strict validation, counters) is shared.
+
 Objects are then validated strictly and either kept (``valid_objects``, appearance order) or dropped
 into one of :data:`DROP_REASONS`. ``parse_rollout`` never raises on a token sequence: garbage,
 truncations, out-of-vocabulary ids and non-integers all come back as a result with counters.
@@ -43,7 +49,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from common.assistant_json import IM_END, NUM_BINS, parse_coord_token
+from common.assistant_json import IM_END, NUM_BINS, OBJECTS_ARRAY_KEY, answer_opening, check_answer_format, parse_coord_token
 from common.token_text import cut_tokens_at_char, read_tokens, tokenizer_table
 
 DROP_REASONS = (
@@ -69,13 +75,13 @@ class ParsedObject:
     """One valid object. Char spans index ``ParseResult.response_text``; token indices are
     assistant-local (0 = first response token)."""
 
-    index: int  # N of its "object_N" key
+    index: int  # N of its "object_N" key; objects_array: its 1-based place among the array's object elements
     desc: str  # stripped
     bins: tuple[int, int, int, int]  # x1, y1, x2, y2 read from the coord token ids
     coord_token_indices: tuple[int, ...]  # 4 positions of the coord tokens, box order
     value_span: tuple[int, int]  # [start, end) of the `{...}` value
     desc_span: tuple[int, int]  # [start, end) of the desc characters inside the quotes
-    key_span: tuple[int, int]  # [start, end) of the key string, quotes included
+    key_span: tuple[int, int]  # [start, end) of the key string, quotes included; objects_array: empty, at the `{`
 
 
 @dataclass
@@ -90,10 +96,11 @@ class ParseResult:
     valid_objects: list[ParsedObject]  # appearance order
     dropped_by_reason: dict[str, int]  # every key of DROP_REASONS, zeros included
     truncated: bool  # the structure was still open where the usable text ended
-    max_object_index: int  # highest N of any "object_N" key in the prefix; 0 if none
+    max_object_index: int  # highest N of any "object_N" key in the prefix (objects_array: objects opened in it); 0 if none
     invalid_rollout: bool  # no top-level `{`, or no object completed before the cut
     n_out_of_vocab: int = 0  # ids that are not tokens of this tokenizer (or not integers)
     prefix_reencoded: bool = False  # the cut fell inside a token, which was re-encoded
+    answer_format: str = "object_keys"  # the format it was parsed as (targets built on it append in the same one)
 
     @property
     def n_dropped(self) -> int:
@@ -117,6 +124,7 @@ class _RawObject:
     desc_span: tuple[int, int] | None = None
     captures: list[list[int]] = field(default_factory=list)  # [open `[` char, close `]` char or -1]
     last_key: str | None = None
+    ordinal: int = 0  # objects_array: 1-based place among the array's object elements
 
 
 @dataclass
@@ -124,7 +132,7 @@ class _Scan:
     objects: list[_RawObject] = field(default_factory=list)
     object_keys: list[tuple[int, int]] = field(default_factory=list)  # (N, char after the key)
     bad_values: int = 0  # top-level values that are not objects
-    first_open: int = -1  # char after the top-level `{`
+    first_open: int = -1  # char after the top-level `{` (objects_array: after the objects array's `[`)
     truncated: bool = True
 
 
@@ -137,13 +145,16 @@ def _unquote(raw: str) -> str | None:
         return None
 
 
-def _scan(text: str, end: int) -> _Scan:
-    """One pass over ``text[:end]`` visiting only structural characters (regex jumps)."""
+def _scan(text: str, end: int, array: bool = False) -> _Scan:
+    """One pass over ``text[:end]`` visiting only structural characters (regex jumps); ``array``: objects_array."""
     s = _Scan()
+    od = 2 if array else 1  # len(stack) where an object's `{` opens: in the top-level `{`, or in its objects `[`
+    in_objects = False  # objects_array: the top-level "objects" array is open (stack == ["{", "["])
+    seen_objects = False  # objects_array: only the first "objects" array holds objects
     stack: list[str] = []  # open containers, "{" or "["; stack[0] is the top-level "{"
     expecting_key: list[bool] = []  # parallel to stack (meaningful for "{")
     pending_key: tuple[str | None, tuple[int, int]] | None = None
-    obj: _RawObject | None = None  # object whose frame is stack[1]
+    obj: _RawObject | None = None  # object whose frame is stack[od]
     capture_depth = 0  # len(stack) of the armed geometry array; 0 when not capturing
     pos = 0
     while True:
@@ -171,28 +182,38 @@ def _scan(text: str, end: int) -> _Scan:
                 key = _unquote(text[i + 1 : close])
                 if depth == 1:
                     pending_key = (key, (i, close + 1))
-                    km = _OBJECT_KEY.fullmatch(key) if key is not None else None
+                    km = _OBJECT_KEY.fullmatch(key) if key is not None and not array else None
                     if km:
                         s.object_keys.append((int(km.group(1)), close + 1))
-                elif depth == 2 and obj is not None:
+                elif depth == od + 1 and obj is not None:
                     obj.last_key = key
-            elif depth == 2 and obj is not None and stack[-1] == "{" and obj.last_key == "desc":
+            elif depth == od + 1 and obj is not None and stack[-1] == "{" and obj.last_key == "desc":
                 obj.desc_span = (i + 1, close)
         elif c == "{":
             if depth == 0:
-                s.first_open = i + 1
-            elif depth == 1:
+                if not array:
+                    s.first_open = i + 1
+            elif depth == 1 and not array:
                 key = pending_key if (pending_key is not None and not expecting_key[0]) else (None, (i, i))
                 obj = _RawObject(key=key[0], key_span=key[1], start=i)
                 s.objects.append(obj)
                 pending_key = None
+            elif depth == 2 and in_objects:
+                obj = _RawObject(key=None, key_span=(i, i), start=i, ordinal=len(s.objects) + 1)
+                s.objects.append(obj)
+                s.object_keys.append((obj.ordinal, i))
             stack.append("{")
             expecting_key.append(True)
         elif c == "[":
             if depth == 0:
                 continue
+            if array and depth == 1 and not seen_objects and not expecting_key[0] and pending_key is not None \
+                    and pending_key[0] == OBJECTS_ARRAY_KEY:
+                in_objects = seen_objects = True
+                s.first_open = i + 1
+                s.bad_values += _element_is_not_an_object(text, pos, end)
             if (
-                depth == 2
+                depth == od + 1
                 and obj is not None
                 and stack[-1] == "{"
                 and not expecting_key[-1]
@@ -216,10 +237,12 @@ def _scan(text: str, end: int) -> _Scan:
             if capture_depth and depth < capture_depth:
                 obj.captures[-1][1] = i
                 capture_depth = 0
-            if obj is not None and depth < 2:
-                if c == "}" and depth == 1:
+            if obj is not None and depth < od + 1:
+                if c == "}" and depth == od:
                     obj.end = i + 1
                 obj = None
+            if in_objects and depth < 2:
+                in_objects = False
             if depth == 0:
                 s.truncated = False
                 return s  # the top-level object closed; trailing text is ignored
@@ -228,15 +251,28 @@ def _scan(text: str, end: int) -> _Scan:
                 expecting_key[-1] = False
                 if depth == 1:
                     nxt = _NON_SPACE.search(text, pos, end)
-                    if nxt is not None and nxt.group() != "{":
+                    is_objects = array and not seen_objects and pending_key is not None \
+                        and pending_key[0] == OBJECTS_ARRAY_KEY
+                    if nxt is not None and nxt.group() != ("[" if is_objects else "{"):
                         s.bad_values += 1
+                        pending_key = None
+                    elif nxt is not None and array and not is_objects:
+                        s.bad_values += 1  # objects_array: a top-level key other than the first "objects"
                         pending_key = None
         elif c == ",":
             if depth and stack[-1] == "{":
                 expecting_key[-1] = True
                 if depth == 1:
                     pending_key = None
+            elif in_objects and depth == 2:
+                s.bad_values += _element_is_not_an_object(text, pos, end)
     return s
+
+
+def _element_is_not_an_object(text: str, pos: int, end: int) -> int:
+    """1 if the objects array's next element (after ``[`` or ``,``) is present and not an object, else 0."""
+    nxt = _NON_SPACE.search(text, pos, end)
+    return int(nxt is not None and nxt.group() not in "{]")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,11 +281,15 @@ def _scan(text: str, end: int) -> _Scan:
 
 def _validate(raw: _RawObject, text: str, cut: int, coord_idx: list[int], ids: list[int], coord_bin: dict[int, int]):
     """(reason, None) for a dropped object, (None, ParsedObject) for a valid one."""
-    if raw.end < 0 or raw.end > cut or raw.key is None:
+    if raw.end < 0 or raw.end > cut:
         return "key_invalid", None
-    km = _OBJECT_KEY.fullmatch(raw.key)
-    if km is None:
-        return "key_invalid", None
+    if raw.ordinal:  # an element of the objects array: no key to check
+        index = raw.ordinal
+    else:
+        km = _OBJECT_KEY.fullmatch(raw.key) if raw.key is not None else None
+        if km is None:
+            return "key_invalid", None
+        index = int(km.group(1))
     try:
         value = json.loads(text[raw.start : raw.end])
     except (ValueError, RecursionError):
@@ -282,7 +322,7 @@ def _validate(raw: _RawObject, text: str, cut: int, coord_idx: list[int], ids: l
     if not all(0 <= b < NUM_BINS for b in text_bins) or x2 < x1 or y2 < y1:
         return "bbox_invalid", None
     return None, ParsedObject(
-        index=int(km.group(1)),
+        index=index,
         desc=desc.strip(),
         bins=(x1, y1, x2, y2),
         coord_token_indices=tuple(coord_idx),
@@ -312,8 +352,9 @@ def parse_rollout(
     *,
     coord_ids: Sequence[int] | None = None,
     im_end_token: str = IM_END,
+    answer_format: str = "object_keys",
 ) -> ParseResult:
-    """Parse one response (token ids as generated, prompt excluded). Never raises on the ids.
+    """Parse one response (token ids as generated, prompt excluded) in ``answer_format``. Never raises on the ids.
 
     ``coord_ids``: the 1000 coord token ids in bin order (``common.tokens.coord_token_ids`` if None;
     a tokenizer without them raises ``CoordTokenError`` - a setup error, not a bad rollout).
@@ -324,7 +365,8 @@ def parse_rollout(
     ids, pieces, text, starts = read.ids, read.pieces, read.text, read.starts
     usable = len(pieces)
     stop = text.find(im_end_token)  # a turn end spelled by ordinary tokens also ends the turn
-    scan = _scan(text, len(text) if stop < 0 else stop)
+    array = check_answer_format(answer_format) == "objects_array"
+    scan = _scan(text, len(text) if stop < 0 else stop, array)
 
     # Cut after the last complete object whose cut reproduces; else right after the top-level `{`.
     cuts = sorted({o.end for o in scan.objects if o.end > 0}, reverse=True)
@@ -338,8 +380,8 @@ def parse_rollout(
             break
     fallback = prefix is None
     if fallback:
-        prefix, cut = list(table.open_brace_ids), -1
-    prefix_text = "{" if fallback else text[:cut]
+        prefix, cut = list(table.encode(answer_opening(answer_format)) if array else table.open_brace_ids), -1
+    prefix_text = answer_opening(answer_format) if fallback else text[:cut]
 
     coord_tokens = [k for k in range(usable) if ids[k] in coord_bin]
     coord_starts = [starts[k] for k in coord_tokens]
@@ -368,4 +410,5 @@ def parse_rollout(
         invalid_rollout=fallback or not any_complete,
         n_out_of_vocab=read.n_out_of_vocab,
         prefix_reencoded=reencoded,
+        answer_format=answer_format,
     )

@@ -21,6 +21,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+#: The processor classes (``processor_class`` of a model directory) the image-only fallback can build: the
+#: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense and MoE checkpoints name the same one) processors, whose only
+#: torchvision-dependent part is the video processor.
+IMAGE_ONLY_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
+
 
 def load_processor(model_path: str | os.PathLike[str]) -> Any:
     """The processor of ``model_path`` (tokenizer at ``.tokenizer``), image-only when torchvision is missing."""
@@ -29,7 +34,9 @@ def load_processor(model_path: str | os.PathLike[str]) -> Any:
     path = os.fspath(model_path)
     try:
         return AutoProcessor.from_pretrained(path)
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:
+        # ImportError from a video processor class; ValueError from the video-processor auto-loader (a checkpoint
+        # naming a Fast image processor, as the Qwen3-VL ones do)
         if "torchvision" not in str(exc).lower():
             raise
         cls = _image_only_class(path)
@@ -52,15 +59,12 @@ def _image_only_class(path: str) -> type | None:
             name = json.loads(f.read_text()).get("processor_class") or name
             if name:
                 break
-    bases = {}
-    try:
-        from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
-
-        bases = {"Qwen2_5_VLProcessor": Qwen2_5_VLProcessor, "Qwen2VLProcessor": Qwen2VLProcessor}
-    except ImportError:
+    if name not in IMAGE_ONLY_PROCESSORS:
         return None
-    base = bases.get(name or "")
-    if base is None:
+    import transformers
+
+    base = getattr(transformers, name, None)
+    if base is None:  # a transformers too old for this family
         return None
 
     class ImageOnly(base):  # type: ignore[misc, valid-type]
@@ -75,6 +79,12 @@ def _image_only_class(path: str) -> type | None:
             self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
             self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
             self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            # Qwen3-VL's processor also keeps the vision start/end tokens (its video prompts use them);
+            # set for every family, as attributes nothing else reads they cost nothing.
+            self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+            self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+            self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+            self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = f"ImageOnly{base.__name__}"

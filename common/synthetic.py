@@ -1,7 +1,7 @@
 """A deterministic synthetic detection dataset: coloured shapes on varied backgrounds.
 
     python -m common.synthetic --out artifacts/data/synth --n 64 --seed 0 [--split 56/8] [--force]   # = tandem data synth
-        [--sides 56,84,112] [--max-objects 12] [--size-range 0.12/0.6]
+        [--sides 56,84,112] [--max-objects 12] [--size-range 0.12/0.6] [--crowded]
 
 writes ``train.jsonl``, ``val.jsonl``, ``images/synth-000123.png`` and ``manifest.json`` under
 ``--out``, in the record format of docs/data.md (pixel boxes, ``"coord_mode": "pixel"``).
@@ -16,6 +16,12 @@ Shapes may overlap, but every shape keeps
 at least half of its pixels visible. ``bbox_2d`` is the tight box of the shape's own pixels (occluded
 ones included) in pixel-edge coordinates, so a shape covering pixel columns 3..9 has x1=3, x2=10.
 Descriptions are "[small|large] <colour> <shape>", e.g. "large blue triangle".
+
+``--crowded`` (:data:`CROWDED`): 10..40 small shapes (0.06..0.22 of the shorter side) on 112..168 px
+images, overlapping, and with probability 0.35 a shape is a near-duplicate of one already drawn
+(same shape and colour, size within ±15 %, placed about one box away), so the same desc recurs
+close by: a scene where the order of the objects, recall and duplicate boxes matter (issue 34).
+``min_objects`` and ``near_duplicate_p`` are the knobs it sets; a manifest records them when not default.
 
 What this module does not know: tokens, models, or how records are serialised for training.
 """
@@ -126,27 +132,36 @@ def _describe(shape: str, color: str, bbox: Sequence[int], w: int, h: int) -> st
 
 DEFAULT_SIDES = (56, 84, 112)
 DEFAULT_SIZE_RANGE = (0.12, 0.6)
+#: The crowded-scene preset (``--crowded``): generate() keyword arguments.
+CROWDED = {"sides": (112, 140, 168), "min_objects": 10, "max_objects": 40, "size_range": (0.06, 0.22),
+           "near_duplicate_p": 0.35}
 
 
 def render_record(seed: int, index: int, sides: Sequence[int] = DEFAULT_SIDES, max_objects: int = MAX_OBJECTS,
-                  size_range: Sequence[float] = DEFAULT_SIZE_RANGE) -> tuple[Image.Image, dict]:
+                  size_range: Sequence[float] = DEFAULT_SIZE_RANGE, min_objects: int = 1,
+                  near_duplicate_p: float = 0.0) -> tuple[Image.Image, dict]:
     """Draw record ``index`` of dataset ``seed``: the image and its JSONL record (without ``images``).
 
-    ``size_range``: a shape's box side as a share of the image's shorter side, (low, high)."""
+    ``size_range``: a shape's box side as a share of the image's shorter side, (low, high);
+    ``near_duplicate_p``: the chance that a shape copies one already drawn, near it (module docstring).
+    The defaults draw exactly the random numbers they always drew, so older datasets regenerate identically."""
     rng = np.random.default_rng([seed, index])
     w, h = int(rng.choice(sides)), int(rng.choice(sides))
     pixels = _background(rng, w, h)
-    target = int(rng.integers(1, max_objects + 1))
+    target = int(rng.integers(min_objects, max_objects + 1))
     short = min(w, h)
     lo, hi = max(6, round(size_range[0] * short)), max(8, round(size_range[1] * short))
-    placed: list[dict] = []  # {"mask", "visible", "color", "shape"}
+    placed: list[dict] = []  # {"mask", "visible", "color", "shape", "box"}
     for _ in range(target * 8):
         if len(placed) == target:
             break
-        shape = SHAPES[int(rng.integers(len(SHAPES)))]
-        color = list(COLORS)[int(rng.integers(len(COLORS)))]
-        bw, bh = int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1))
-        x1, y1 = int(rng.integers(0, w - bw + 1)), int(rng.integers(0, h - bh + 1))
+        if near_duplicate_p > 0 and placed and rng.random() < near_duplicate_p:
+            shape, color, bw, bh, x1, y1 = _near_duplicate(rng, placed[int(rng.integers(len(placed)))], w, h, lo)
+        else:
+            shape = SHAPES[int(rng.integers(len(SHAPES)))]
+            color = list(COLORS)[int(rng.integers(len(COLORS)))]
+            bw, bh = int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1))
+            x1, y1 = int(rng.integers(0, w - bw + 1)), int(rng.integers(0, h - bh + 1))
         mask = _shape_mask(rng, shape, w, h, (x1, y1, x1 + bw - 1, y1 + bh - 1))
         area = int(mask.sum())
         if area < 12:
@@ -165,7 +180,7 @@ def render_record(seed: int, index: int, sides: Sequence[int] = DEFAULT_SIDES, m
         for p in placed:
             p["visible"] &= ~mask
         pixels[mask] = COLORS[color]
-        placed.append({"mask": mask, "visible": mask.copy(), "color": color, "shape": shape})
+        placed.append({"mask": mask, "visible": mask.copy(), "color": color, "shape": shape, "box": (bw, bh, x1, y1)})
     objects = []
     for p in placed:
         ys, xs = np.nonzero(p["mask"])
@@ -176,8 +191,21 @@ def render_record(seed: int, index: int, sides: Sequence[int] = DEFAULT_SIDES, m
     return image, record
 
 
+def _near_duplicate(rng: np.random.Generator, like: dict, w: int, h: int, lo: int) -> tuple:
+    """(shape, colour, bw, bh, x1, y1): ``like``'s shape and colour, each side within ±15 %, moved about one
+    box side in a random direction (clipped to the image): the same desc again, close by."""
+    bw0, bh0, x0, y0 = like["box"]
+    bw, bh = (max(lo, int(round(v * rng.uniform(0.85, 1.15)))) for v in (bw0, bh0))
+    bw, bh = min(bw, w), min(bh, h)
+    angle = rng.uniform(0, 2 * np.pi)
+    x1 = int(np.clip(x0 + np.cos(angle) * (bw0 + 3), 0, w - bw))
+    y1 = int(np.clip(y0 + np.sin(angle) * (bh0 + 3), 0, h - bh))
+    return like["shape"], like["color"], bw, bh, x1, y1
+
+
 def _params(n_train: int, n_val: int, seed: int, sides: Sequence[int], max_objects: int = MAX_OBJECTS,
-            size_range: Sequence[float] = DEFAULT_SIZE_RANGE) -> dict:
+            size_range: Sequence[float] = DEFAULT_SIZE_RANGE, min_objects: int = 1,
+            near_duplicate_p: float = 0.0) -> dict:
     params = {
         "generator": "common.synthetic",
         "version": GENERATOR_VERSION,
@@ -188,6 +216,8 @@ def _params(n_train: int, n_val: int, seed: int, sides: Sequence[int], max_objec
     }
     if max_objects != MAX_OBJECTS or tuple(size_range) != DEFAULT_SIZE_RANGE:  # older manifests stay valid
         params.update(max_objects=max_objects, size_range=[float(x) for x in size_range])
+    if min_objects != 1 or near_duplicate_p:
+        params.update(min_objects=min_objects, near_duplicate_p=float(near_duplicate_p))
     return params
 
 
@@ -200,13 +230,13 @@ def _is_complete(out: Path, params: dict) -> bool:
 
 
 def _write(out: Path, n_train: int, n_val: int, seed: int, sides: Sequence[int], max_objects: int,
-           size_range: Sequence[float]) -> None:
+           size_range: Sequence[float], min_objects: int = 1, near_duplicate_p: float = 0.0) -> None:
     (out / "images").mkdir(parents=True)
     files = []
     for split, start, count in (("train", 0, n_train), ("val", n_train, n_val)):
         lines = []
         for i in range(start, start + count):
-            image, record = render_record(seed, i, sides, max_objects, size_range)
+            image, record = render_record(seed, i, sides, max_objects, size_range, min_objects, near_duplicate_p)
             rel = f"images/{record['id']}.png"
             image.save(out / rel, format="PNG", optimize=False)
             files.append(rel)
@@ -214,7 +244,8 @@ def _write(out: Path, n_train: int, n_val: int, seed: int, sides: Sequence[int],
             lines.append(json.dumps(ordered, ensure_ascii=False, separators=(", ", ": ")) + "\n")
         (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
         files.append(f"{split}.jsonl")
-    manifest = {"params": _params(n_train, n_val, seed, sides, max_objects, size_range), "files": sorted(files)}
+    manifest = {"params": _params(n_train, n_val, seed, sides, max_objects, size_range, min_objects, near_duplicate_p),
+                "files": sorted(files)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
@@ -233,6 +264,8 @@ def generate(
     force: bool = False,
     max_objects: int = MAX_OBJECTS,
     size_range: Sequence[float] = DEFAULT_SIZE_RANGE,
+    min_objects: int = 1,
+    near_duplicate_p: float = 0.0,
 ) -> Path:
     """Write the dataset under ``out_dir`` (unless already there with the same parameters) and
     return the path of ``train.jsonl``. ``split`` = (train, val) counts, default :func:`default_split`.
@@ -244,13 +277,16 @@ def generate(
     n_train, n_val = split if split is not None else default_split(n)
     if n_train < 0 or n_val < 0 or n_train + n_val < 1 or not sides:
         raise ValueError(f"need n_train, n_val >= 0 with at least one record and some sides, got {split or n}, {sides}")
-    if not 1 <= max_objects <= 64:
-        raise ValueError(f"max_objects must be in 1..64, got {max_objects}")
+    if not 1 <= min_objects <= max_objects <= 64:
+        raise ValueError(f"need 1 <= min_objects <= max_objects <= 64, got {min_objects}, {max_objects}")
+    if not 0.0 <= near_duplicate_p < 1.0:
+        raise ValueError(f"near_duplicate_p must be in [0, 1), got {near_duplicate_p}")
     if len(size_range) != 2 or not 0 < size_range[0] <= size_range[1] <= 1:
         raise ValueError(f"size_range must be (low, high) with 0 < low <= high <= 1, got {tuple(size_range)}")
-    params = _params(n_train, n_val, seed, sides, max_objects, size_range)
+    params = _params(n_train, n_val, seed, sides, max_objects, size_range, min_objects, near_duplicate_p)
     build_once(out, marker=MANIFEST, is_built=lambda d: _is_complete(d, params), owner="common.synthetic",
-               write=lambda tmp: _write(tmp, n_train, n_val, seed, sides, max_objects, size_range), force=force)
+               write=lambda tmp: _write(tmp, n_train, n_val, seed, sides, max_objects, size_range, min_objects,
+                                        near_duplicate_p), force=force)
     return out / "train.jsonl"
 
 
@@ -270,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-objects", type=int, default=MAX_OBJECTS, help="shapes per image, 1..N (default: %(default)s)")
     parser.add_argument("--size-range", default="/".join(map(str, DEFAULT_SIZE_RANGE)), metavar="LOW/HIGH",
                         help="shape box side as a share of the shorter image side (default: %(default)s)")
+    parser.add_argument("--crowded", action="store_true",
+                        help="crowded scenes: 10..40 small overlapping shapes with near-duplicates on 112..168 px "
+                             "(replaces --sides, --max-objects, --size-range)")
     args = parser.parse_args(argv)
     try:
         sides = tuple(int(x) for x in args.sides.split(","))
@@ -283,9 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             split = (a, b)
         except ValueError:
             parser.error(f"--split must look like TRAIN/VAL, e.g. 56/8, got {args.split!r}")
+    shape_args = dict(CROWDED) if args.crowded else {"sides": sides, "max_objects": args.max_objects,
+                                                      "size_range": size_range}
     try:
-        train = generate(args.out, n=args.n, seed=args.seed, split=split, force=args.force, sides=sides,
-                         max_objects=args.max_objects, size_range=size_range)
+        train = generate(args.out, n=args.n, seed=args.seed, split=split, force=args.force, **shape_args)
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,11 @@ encoder that adds the chat template and images shifts every position by the prom
     rollout_prefix_target rollout prefix ids verbatim + FN appended before the closing `}`,
                           numbered after the highest object_N key in the prefix  (the origin's reordered_gt_sft: false)
 
+Each target is written in one answer format (``data.answer_format``: ``object_keys`` or ``objects_array``,
+common/assistant_json.py); the two Channel-B targets take it from the parse they are built on, so a rollout is
+never completed in the other format. In ``objects_array`` the FN objects go before the closing ``]}`` and have
+no numbers.
+
 Supervision rules shared by all three (the origin's):
   - coord tokens are never CE-supervised; they are supervised by geometry at ``coord_positions``
     (groups of four: x1, y1, x2, y2) against ``coord_bins``;
@@ -33,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from common.assistant_json import IM_END, GTObject, serialize_objects
+from common.assistant_json import IM_END, GTObject, check_answer_format, serialize_objects
 from common.matching import MatchResult
 from common.parsing import ParseResult, ParsedObject, parse_rollout
 from common.token_text import tokenizer_table
@@ -69,8 +74,10 @@ def _gt_bins(obj: GTObject) -> tuple[int, ...]:
     return tuple(int(b) for b in obj.bins)
 
 
-def _entry_text(n: int, obj: GTObject) -> str:
-    """One ``"object_n": {...}`` entry: ``serialize_objects``' format without the outer braces."""
+def _entry_text(n: int, obj: GTObject, answer_format: str = "object_keys") -> str:
+    """One ``"object_n": {...}`` entry (objects_array: one ``{...}`` element), as ``serialize_objects`` writes it."""
+    if answer_format == "objects_array":
+        return json.dumps(obj.payload(), ensure_ascii=False, separators=(", ", ": "))
     return json.dumps({f"object_{n}": obj.payload()}, ensure_ascii=False, separators=(", ", ": "))[1:-1]
 
 
@@ -93,7 +100,8 @@ def _tokens_overlapping(starts: Sequence[int], span: tuple[int, int]) -> range:
 class _Builder:
     """Accumulates masks, weights and geometry over the assistant ids (turn end added last)."""
 
-    def __init__(self, ids: list[int], tokenizer: Any, coord_ids: Sequence[int] | None, im_end_token: str):
+    def __init__(self, ids: list[int], tokenizer: Any, coord_ids: Sequence[int] | None, im_end_token: str,
+                 answer_format: str = "object_keys"):
         table = tokenizer_table(tokenizer)
         im_end = table.token_id(im_end_token)
         if im_end is None:
@@ -106,7 +114,8 @@ class _Builder:
         self.is_coord = np.array([t in self.coord_bin for t in self.ids], dtype=bool)
         self.positions: list[int] = []
         self.bins: list[int] = []
-        self.parse = parse_rollout(ids, tokenizer, coord_ids=coord_ids, im_end_token=im_end_token)
+        self.parse = parse_rollout(ids, tokenizer, coord_ids=coord_ids, im_end_token=im_end_token,
+                                   answer_format=answer_format)
         if self.parse.truncated:
             raise TargetError(f"target text does not close: {self.parse.response_text[-80:]!r}")
 
@@ -155,10 +164,11 @@ def _serialised_target(
     tokenizer: Any,
     coord_ids: Sequence[int] | None,
     im_end_token: str,
+    answer_format: str,
 ) -> _Builder:
-    """Serialise ``objects`` as object_1..K, supervise everything, set desc weights and geometry."""
-    text = serialize_objects(list(objects))
-    b = _Builder(tokenizer_table(tokenizer).encode(text), tokenizer, coord_ids, im_end_token)
+    """Serialise ``objects`` (object_1..K, or the objects array), supervise everything, set desc weights and geometry."""
+    text = serialize_objects(list(objects), answer_format)
+    b = _Builder(tokenizer_table(tokenizer).encode(text), tokenizer, coord_ids, im_end_token, answer_format)
     parsed = b.parse.valid_objects
     _check_read_back(parsed, objects, "serialised GT")
     b.supervise_from(0)
@@ -175,13 +185,14 @@ def channel_a_target(
     desc_ce_weight: float = 1.0,
     coord_ids: Sequence[int] | None = None,
     im_end_token: str = IM_END,
+    answer_format: str = "object_keys",
 ) -> TargetSpec:
-    """GT as given (the caller passes canonical order); every box is geometry-supervised.
+    """GT as given (the caller passes canonical order) in ``answer_format``; every box is geometry-supervised.
 
     As in the origin's Channel-A, all groups are "fn" groups (there is no rollout prefix).
     """
     n = len(gt_objects)
-    b = _serialised_target(gt_objects, [desc_ce_weight] * n, tokenizer, coord_ids, im_end_token)
+    b = _serialised_target(gt_objects, [desc_ce_weight] * n, tokenizer, coord_ids, im_end_token, answer_format)
     meta = {"channel": "A", "target": "gt", "prefix_len": 0, "bbox_groups_prefix": [], "bbox_groups_fn": list(range(n))}
     return b.done(0, n, meta)
 
@@ -211,7 +222,7 @@ def reordered_gt_target(
     n_m = len(matched_gt)
     w_matched = desc_ce_weight if desc_ce_weight_matched is None else desc_ce_weight_matched
     weights = [w_matched] * n_m + [desc_ce_weight] * (len(objects) - n_m)
-    b = _serialised_target(objects, weights, tokenizer, coord_ids, im_end_token)
+    b = _serialised_target(objects, weights, tokenizer, coord_ids, im_end_token, parse.answer_format)
     meta = {
         "channel": "B",
         "target": "reordered_gt",
@@ -252,18 +263,20 @@ def rollout_prefix_target(
       exactly as in Channel-A, where geometry is always on, so we keep the signal by default.
       Either way they are listed in meta ``bbox_groups_fn`` only when supervised.
     """
+    fmt = check_answer_format(parse.answer_format)
     prefix = list(parse.prefix_token_ids)
     tail = parse.prefix_text.rstrip()[-1:]
-    if tail not in ("{", "}", ","):
-        raise TargetError(f"the prefix must end in '{{', '}}' or ',', got {parse.prefix_text[-20:]!r}")
+    opener = "[" if fmt == "objects_array" else "{"  # what the prefix ends in when it holds no complete object
+    if tail not in (opener, "}", ","):
+        raise TargetError(f"the prefix must end in {opener!r}, '}}' or ',', got {parse.prefix_text[-20:]!r}")
     fn_gt = sorted(match.fn_gt_indices)
     if tail == "," and not fn_gt:
         raise TargetError("a prefix ending in ',' needs at least one FN object to follow it")
     first = parse.max_object_index + 1
-    entries = ", ".join(_entry_text(first + i, gt_objects[g]) for i, g in enumerate(fn_gt))
-    append = (", " if tail == "}" and entries else "") + entries + "}"
+    entries = ", ".join(_entry_text(first + i, gt_objects[g], fmt) for i, g in enumerate(fn_gt))
+    append = (", " if tail == "}" and entries else "") + entries + ("]}" if fmt == "objects_array" else "}")
     table = tokenizer_table(tokenizer)
-    b = _Builder(prefix + table.encode(append), tokenizer, coord_ids, im_end_token)
+    b = _Builder(prefix + table.encode(append), tokenizer, coord_ids, im_end_token, fmt)
 
     # Objects that start after the prefix are the appended FN objects, in order.
     appended = [o for o in b.parse.valid_objects if o.value_span[0] >= len(parse.prefix_text)]

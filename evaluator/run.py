@@ -132,7 +132,7 @@ def config_prompts(config: str) -> Prompts:
         cfg = load_config(config)
     except ConfigError as exc:
         raise EvalFailure(f"--config {config}: {exc}") from None
-    return Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt)
+    return Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt, cfg.data.answer_format)
 
 
 def config_coord_mode(config: str) -> str | None:

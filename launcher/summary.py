@@ -203,8 +203,9 @@ def rollout_totals(b_records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 #: The evaluation keys the summary keeps (``eval/<name>`` in the record, ``<name>`` in summary.json).
-EVAL_KEYS = ("precision", "recall", "f1", "map", "map_50", "map_per_class", "parse_failure_rate", "truncated_rate",
-             "objects_per_image", "gt_per_image", "n_images", "mean_matched_iou", "ver")
+EVAL_KEYS = ("precision", "recall", "f1", "f1_ci_low", "f1_ci_high", "map", "map_50", "map_per_class",
+             "parse_failure_rate", "truncated_rate", "objects_per_image", "gt_per_image", "n_images", "mean_matched_iou",
+             "duplicate_rate", "ver")
 
 
 def summarize_evals(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -218,7 +219,20 @@ def summarize_evals(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
     scored = [r for r in evals if isinstance(r.get("eval/f1"), (int, float))]
     best = max(reversed(scored), key=lambda r: r["eval/f1"]) if scored else None
     return {"n": len(evals), "best_by": "f1", "first": point(evals[0]),
-            "best": point(best) if best is not None else None, "last": point(evals[-1])}
+            "best": point(best) if best is not None else None, "last": point(evals[-1]),
+            "f1_change": f1_change(evals[0], evals[-1]) if len(evals) > 1 else None}
+
+
+def f1_change(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any] | None:
+    """Last − first val F1 with its paired-bootstrap interval over the same images (common/eval_stats.py);
+    None when a record lacks ``eval/image_counts`` (older runs) or the two scored different image counts."""
+    from common.eval_stats import ImageCounts, paired_f1_difference
+
+    try:
+        before, after = (ImageCounts.from_dict(r.get("eval/image_counts")) for r in (first, last))
+    except ValueError:
+        return None
+    return paired_f1_difference(before, after)
 
 
 def _sync_stall(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -275,7 +289,7 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
         _learner_line(s, f),
         *_eval_lines(s.get("eval"), s.get("val_jsonl"), f),
-        *([f"best checkpoint        step {b['step']} ({b['metric']} {f(b['value'])}): {b['path']}"]
+        *([f"best checkpoint        step {b['step']} ({b['metric']} {f(b['value'])}, the best of those kept): {b['path']}"]
           if (b := s.get("best_checkpoint")) else []),
     ]
     if wall_s is not None:
@@ -327,11 +341,21 @@ def _eval_lines(ev: dict[str, Any] | None, val_jsonl: Any, f: Any) -> list[str]:
 
     last = ev["last"]
     one = lambda x, fmt: "n/a" if not isinstance(x, (int, float)) else format(x, fmt)  # noqa: E731
-    return [
+    lines = [
         f"val F1@0.5 / mAP       first {at(ev['first'])} → best {at(ev['best'])} → last {at(last)}",
         f"val parse fail / obj   {one(last.get('parse_failure_rate'), '.2f')} / "
         f"{one(last.get('objects_per_image'), '.1f')} per image (GT {one(last.get('gt_per_image'), '.1f')})",
     ]
+    # The best evaluation gets no interval: the maximum of noisy evaluations is biased upwards.
+    ci = lambda p: f"[{f(p.get('f1_ci_low'))}, {f(p.get('f1_ci_high'))}]"  # noqa: E731
+    if last.get("f1_ci_low") is not None:
+        lines.append(f"val F1@0.5 95 % CI     first {ci(ev['first'])} → last {ci(last)}  (bootstrap over "
+                     f"{last.get('n_images')} images)")
+    if (d := ev.get("f1_change")) is not None:
+        lines.append(f"val F1 last − first   {d['diff']:+.3f}  95 % CI [{d['low']:+.3f}, {d['high']:+.3f}] (paired "
+                     f"bootstrap, same {d['n_images']} images): "
+                     + ("outside the noise" if d["outside_noise"] else "within the noise"))
+    return lines
 
 
 def _run_config_section(run_dir: Path, section: str) -> dict[str, Any] | None:

@@ -8,6 +8,9 @@ run needs it on a filesystem every node shares)::
                                once) plus the tokenizer/processor files of model.path: servable as is,
                                and what a resumed learner loads its weights from
     optimizer.pt               AdamW state (replicated under DDP: rank 0 writes it, every rank reads it)
+    adapter/                   model.adapter only: the peft adapter (adapter_config.json, adapter_model.safetensors;
+                               learner/recipe.py); model/ then holds the base weights it adapts, and a resumed
+                               learner injects the adapter into model/ and loads this into it
 
     learner.parallel: fsdp (the whole model is never gathered on one device)
     dcp/                       weights + AdamW state, sharded: torch.distributed.checkpoint (.metadata +
@@ -76,6 +79,7 @@ from common import retention
 from common.checkpoints import checkpoints_root, read_b_ledger, write_b_ledger
 from learner.distributed import Dist
 from learner.parallel import is_fsdp
+from learner.recipe import ADAPTER_DIR, base_state, has_adapter, save_adapter
 from learner.sync.boundary import unwrap
 
 log = logging.getLogger(__name__)
@@ -146,7 +150,11 @@ def save(
         if sharded:
             save_model_config(hf, Path(model_path), tmp / MODEL_CONFIG_DIR)
         else:
-            hf.save_pretrained(tmp / "model")
+            if has_adapter(hf):  # model/ stays a plain HF directory of the base weights; the adapter beside it
+                hf.save_pretrained(tmp / "model", state_dict=base_state(hf))
+                save_adapter(hf, tmp / ADAPTER_DIR)
+            else:
+                hf.save_pretrained(tmp / "model")
             copy_model_side_files(Path(model_path), tmp / "model")
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -257,9 +265,10 @@ def _load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def _shard_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> None:
     """A DDP checkpoint's ``optimizer.pt`` (keyed by parameter index) into an FSDP2 model's optimizer: re-keyed
-    by HF name (``build_optimizer``'s order: trainable parameters as ``named_parameters`` yields them), then each
+    by HF name (``build_optimizer``'s order: its parameter groups in turn, learner/recipe.py), then each
     rank keeps its shard of every tensor (``set_optimizer_state_dict`` with a full state dict)."""
-    names = [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
+    name_of = {id(p): n for n, p in unwrap(model).named_parameters()}
+    names = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
     by_name = {
         "state": {names[i]: s for i, s in full["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in full["param_groups"]],

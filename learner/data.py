@@ -107,6 +107,7 @@ class ChannelAData:
             target = channel_a_target(
                 canonical_order(record.objects), self.encoder.tokenizer,
                 desc_ce_weight=self.cfg.stage2_ab.desc_ce_weight, coord_ids=self.encoder.coord_ids,
+                answer_format=self.encoder.prompts.answer_format,
             )
         except ValueError as exc:  # RecordError / TargetError / JSONDecodeError
             self.counters["record_errors"] += 1

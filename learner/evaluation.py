@@ -64,7 +64,7 @@ class PeriodicEval:
                              "lines skipped). Fix: point it at a JSONL of the data contract, or unset it")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.coord_ids = require_coord_tokens(self.tokenizer, cfg.model.path)
-        self.prompts = Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt)
+        self.prompts = Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt, cfg.data.answer_format)
         self.url = cfg.rollout_matching.vllm.servers[0].base_url
         log.info("evaluation: %d validation images of %s at step 0, every %s steps and at the end, via %s",
                  len(self.evalset.records), cfg.data.val_jsonl, self.every or "(never)", self.url)

@@ -10,7 +10,9 @@ dtype the shards were saved in, and lets DCP fill it in one process, no process 
 with ``no_dist``: it reads every shard of each tensor and stitches them, whatever the world size that
 wrote them). Then ``save_pretrained`` plus the tokenizer/processor files. Peak host memory: the model
 once (the AdamW state in ``dcp/`` is never read). A ddp checkpoint's ``model/`` already is such a
-directory: it is copied.
+directory: it is copied, unless the run trained a ``model.adapter``: then ``model/`` holds the base weights and
+``adapter/`` the adapter, and the export is the merged model (``--adapter-only``: the adapter alone, in peft's
+layout; fsdp runs have no adapters).
 
 The result loads with ``AutoModelForImageTextToText.from_pretrained``, serves with the hf and vLLM
 engines, and works as ``model.path`` for a new run (e.g. with another number of ranks). ``DIR`` is
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from common import cli
 from common.checkpoints import NotACheckpoint, checkpoint_parallel
+from learner.recipe import ADAPTER_DIR, write_merged
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,10 @@ def model_files(ckpt: Path) -> Path:
                       "config.json. Fix: copy the whole checkpoint directory, or put the run's model.path back")
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write the HF model directory of ``checkpoint`` to ``out``; returns ``out``."""
+def export(checkpoint: str | Path, out: str | Path, adapter_only: bool = False) -> Path:
+    """Write the HF model directory of ``checkpoint`` to ``out``; returns ``out``. A checkpoint of a run with
+    ``model.adapter`` (an ``adapter/`` beside ``model/``): the adapter merged into the weights, or with
+    ``adapter_only`` the adapter alone (peft's layout: ``peft.PeftModel.from_pretrained(base, out)``)."""
     ckpt, out = Path(checkpoint), Path(out)
     kind = checkpoint_parallel(ckpt)  # NotACheckpoint names what ckpt is instead
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -60,7 +65,18 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        if kind == "ddp":
+        adapter = ckpt / ADAPTER_DIR
+        if adapter_only and not adapter.is_dir():
+            raise ExportError(f"--adapter-only: {ckpt} holds no {ADAPTER_DIR}/ (its run trained without "
+                              "model.adapter). Fix: drop --adapter-only to export the whole model")
+        if adapter_only:
+            shutil.copytree(adapter, tmp)
+        elif kind == "ddp" and adapter.is_dir():
+            from learner.checkpoint import copy_model_side_files
+
+            write_merged(ckpt / "model", adapter, tmp)
+            copy_model_side_files(ckpt / "model", tmp)
+        elif kind == "ddp":
             shutil.copytree(ckpt / "model", tmp)
         else:
             write_from_shards(ckpt, tmp)
@@ -108,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = cli.parser("python -m learner.export", __doc__)
     ap.add_argument("--checkpoint", required=True, help="a checkpoint directory, OUTPUT_DIR/checkpoints/<step>")
     ap.add_argument("--out", required=True, help="the HF model directory to write (new, or empty)")
+    ap.add_argument("--adapter-only", action="store_true",
+                    help="a model.adapter run's checkpoint: write the adapter alone (peft's layout), not the merged model")
     args = ap.parse_args(argv)
     cli.setup_process("export")
     try:
-        out = export(args.checkpoint, args.out)
+        out = export(args.checkpoint, args.out, adapter_only=args.adapter_only)
     except (NotACheckpoint, ExportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return cli.EXIT_USAGE

@@ -1,6 +1,7 @@
 """The policy on the learner: loading, packed forward, optimizer and LR schedule.
 
-Packed forward, and how segments are kept apart (transformers 5.23, Qwen2/2.5-VL)::
+Packed forward, and how segments are kept apart (transformers 5.23-5.24, Qwen2/2.5/3-VL: Qwen3VLTextModel reads the
+4-row ``position_ids`` the same way; tests/test_loss.py runs the isolation on both tiny families)::
 
     pack arrays (common.segment)                     model inputs (batch 1)
     input_ids [T] ──────────────────────────────────► input_ids [1, T]
@@ -79,6 +80,9 @@ def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bo
             f"{model_cfg.path}: coord token id {max(coord_ids)} is outside the model's vocabulary ({vocab}). "
             "Fix: resize the embeddings when adding the coord tokens and save the model again"
         )
+    from learner.recipe import apply_recipe
+
+    apply_recipe(model, model_cfg)  # model.adapter, model.freeze: before any wrapper reads requires_grad
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile == "blocks":
@@ -289,7 +293,7 @@ def pack_limits(model: torch.nn.Module, packing_length: int, rope_rows: int | No
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The Qwen2/2.5-VL vision tower under a (possibly DDP-wrapped or FSDP2-sharded) policy, or None."""
+    """The Qwen2/2.5/3-VL vision tower under a (possibly DDP-wrapped or FSDP2-sharded) policy, or None."""
     inner = getattr(getattr(model, "module", model), "model", None)
     return getattr(inner, "visual", None)
 
@@ -309,9 +313,10 @@ def zero_vision_term(model: torch.nn.Module) -> torch.Tensor | None:
     pixels = torch.zeros(m * m, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, device=p.device,
                          dtype=p.dtype)
     out = vis(pixels, grid_thw=torch.tensor([[1, m, m]], device=p.device))
-    # a tensor, a ModelOutput (transformers >= 5.2x: pre- and post-merger states) or a tuple
+    # a tensor, a ModelOutput (transformers >= 5.2x: pre- and post-merger states) or a tuple; Qwen3-VL's output
+    # also holds a list of deepstack features, the only path through its deepstack mergers, so lists are opened
     parts = [out] if isinstance(out, torch.Tensor) else list(out.values() if hasattr(out, "values") else out)
-    parts = [t for t in parts if isinstance(t, torch.Tensor)]
+    parts = [t for p in parts for t in (p if isinstance(p, (list, tuple)) else [p]) if isinstance(t, torch.Tensor)]
     return torch.stack([t.float().sum() for t in parts]).sum() * 0.0
 
 
@@ -330,10 +335,15 @@ def adamw_fused(params: list[torch.nn.Parameter], impl: str) -> bool:
 
 
 def build_optimizer(model: torch.nn.Module, training: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over trainable parameters and a linear-warmup + cosine schedule to ``min_lr_ratio · lr``."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW over trainable parameters, one parameter group per module group (``learner.recipe.param_groups``:
+    ``training.lr_groups``), and a linear-warmup + cosine schedule to ``min_lr_ratio ·`` each group's lr (LambdaLR
+    multiplies every group's own initial lr by the same factor)."""
+    from learner.recipe import param_groups
+
+    groups = param_groups(model, training)
+    params = [p for g in groups for p in g["params"]]
     fused = adamw_fused(params, training.adamw_impl)
-    optimizer = torch.optim.AdamW(params, lr=training.lr, weight_decay=training.weight_decay,
+    optimizer = torch.optim.AdamW(groups, lr=training.lr, weight_decay=training.weight_decay,
                                   **({"fused": True} if fused else {"foreach": True}))
     warmup, total, floor = training.warmup_steps, max(1, training.max_steps), training.min_lr_ratio
 

@@ -48,6 +48,7 @@ from learner.model import (PackInputs, build_optimizer, clip_and_step, forward_l
 from learner.prefetch import AWindow, ChannelAPrefetcher
 from learner.run_record import config_dict
 from learner.pack_queue import ReadyQueue
+from learner.recipe import restore_adapter
 from learner.sync.boundary import WeightSync
 from learner.throughput import Throughput
 
@@ -130,6 +131,7 @@ class Learner:
         model, tokenizer, coord_ids = load_policy(model_cfg, dist.device, cfg.training.gradient_checkpointing,
                                                   load_device=parallel.load_device(cfg.learner, dist.device),
                                                   compile=cfg.training.compile)
+        restore_adapter(model, self.resume_from, cfg.model)
         self.tokenizer, self.coord_ids = tokenizer, torch.tensor(coord_ids, device=dist.device)
         self.calls = {"forward": 0, "backward": 0}  # measured by hooks, not assumed (metrics + trace)
         model.register_forward_pre_hook(lambda *_: self.calls.__setitem__("forward", self.calls["forward"] + 1))
@@ -321,6 +323,9 @@ class Learner:
         facts["train/grad_norm"] = norm if math.isfinite(norm) else None
         facts["train/nonfinite_skipped"] = int(skipped)
         facts["train/lr"] = self.scheduler.get_last_lr()[0]
+        if len(self.optimizer.param_groups) > 1:  # training.lr_groups: train/lr_vision, _merger, _llm, _rest
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                facts[f"train/lr_{group['name']}"] = lr
         self.totals["nonfinite_skipped" if skipped else "optimizer_updates"] += 1
         if skipped:
             log.error("rank %d step %d: non-finite %s: optimizer step skipped (gradients dropped, weights unchanged; "

@@ -43,7 +43,7 @@ COMMANDS: dict[str, Command] = {
     "summary": Command("launcher.summary", "a run's summary (what the launcher prints at the end)"),
     "warm-start": Command("learner.warm_start", "Stage-1 warm start: teach a model dir the coord-token boxes"),
     "data": Command("common.dataset.cli", "training data: synth, convert (COCO/LVIS/ODVG), check, stats"),
-    "tiny-model": Command("tools.make_tiny_model", "a tiny Qwen2.5-VL model dir (random weights, coord tokens)"),
+    "tiny-model": Command("tools.make_tiny_model", "a tiny Qwen2.5-VL or (--family qwen3-vl) Qwen3-VL model dir (random weights, coord tokens)"),
     "coord-tokens": Command("tools.add_coord_tokens", "add the 1000 coord tokens to a checkpoint"),
     "tickets": Command("tools.make_tickets", "the Stage-B demo ticket set as JSONL"),
     "compose": Command("launcher.compose", "a docker compose file for a config"),

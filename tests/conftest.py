@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Nothing is downloaded in tests (every model is generated): with peft installed, from_pretrained of a missing
+# local path would otherwise ask the Hub for an adapter_config.json and retry for ~30 s before failing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ARTIFACTS = REPO_ROOT / "artifacts"
 
 
@@ -43,6 +47,14 @@ def tiny_model_dir() -> Path:
     from tools.make_tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(ARTIFACTS / "tiny-model")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_model_dir() -> Path:
+    """``artifacts/tiny-qwen3-model``: the tiny Qwen3-VL with coord tokens (``--family qwen3-vl``; ~4 s to build)."""
+    from tools.make_tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(ARTIFACTS / "tiny-qwen3-model", family="qwen3-vl")
 
 
 #: The test detector's build: 1 shape per image (4096 images), 1600 warm-start steps on one torch thread,

@@ -104,7 +104,7 @@ def test_the_summary_names_the_best_checkpoint_still_on_disk_with_its_value(tmp_
     assert s["best_checkpoint"] == {"step": 4, "metric": "eval/f1", "value": 0.7,
                                     "path": str(run / "checkpoints" / "4")}
     assert json.loads((run / "summary.json").read_text())["best_checkpoint"]["step"] == 4
-    assert "best checkpoint        step 4 (eval/f1 0.700)" in capsys.readouterr().out
+    assert "best checkpoint        step 4 (eval/f1 0.700, the best of those kept)" in capsys.readouterr().out
 
 
 def _cfg(tmp_path: Path, **training) -> Path:

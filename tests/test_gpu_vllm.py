@@ -1,7 +1,8 @@
 """The vLLM engine on real GPUs: prompts, sampling, native NCCL weight sync, the fence under load.
 
 One vLLM rollout server (``configs/gpu/split_1p1.yaml``, GPU 0) serves the Qwen2.5-VL ``0.5b``
-preset built by ``tools/make_tiny_model.py`` (random weights, no download); this process is the
+preset built by ``tools/make_tiny_model.py`` (random weights, no download; ``TANDEM_GPU_FAMILY=qwen3-vl``:
+the Qwen3-VL ``2b`` preset); this process is the
 learner on GPU 1 (GPU 0 beside the server when the machine has one GPU) with the same checkpoint
 in transformers. Weight versions are the checkpoint with
 a seeded perturbation of every language-model matrix and a sharp, seeded final norm, so that each
@@ -57,7 +58,11 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 LEARNER_GPU = 1 if TWO_GPUS else 0
 needs_nccl = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 GPUs: the NCCL sync path (one GPU cannot hold both "
                                                      "ends of an NCCL group; the HTTP path runs instead)")
-MODEL_DIR = Path(os.environ.get("TANDEM_GPU_MODEL", "/tmp/tandem-models/0.5b"))
+# TANDEM_GPU_FAMILY=qwen3-vl runs every test on the Qwen3-VL 2b preset instead (its smallest real shape).
+FAMILY = os.environ.get("TANDEM_GPU_FAMILY", "qwen2.5-vl")
+PRESET = {"qwen2.5-vl": "0.5b", "qwen3-vl": "2b"}[FAMILY]
+MODEL_DIR = Path(os.environ.get("TANDEM_GPU_MODEL", "/tmp/tandem-models/" + (
+    PRESET if FAMILY == "qwen2.5-vl" else f"{FAMILY}-{PRESET}")))
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
 
@@ -65,7 +70,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12}
 def model_dir() -> Path:
     from tools.make_tiny_model import ensure_tiny_model
 
-    ensure_tiny_model(MODEL_DIR, preset="0.5b")
+    ensure_tiny_model(MODEL_DIR, preset=PRESET, family=FAMILY)
     return MODEL_DIR
 
 

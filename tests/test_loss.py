@@ -1,4 +1,4 @@
-"""The learner's loss: packed-attention isolation on the real tiny Qwen2.5-VL, and the loss math.
+"""The learner's loss: packed-attention isolation on the real tiny Qwen2.5-VL and Qwen3-VL, and the loss math.
 
 Isolation tolerance: fp32 on CPU, loss rtol 1e-5, gradients atol 1e-6 + rtol 1e-4 of the largest
 gradient entry (the pack and the one-by-one runs sum the same terms in a different order).
@@ -31,10 +31,12 @@ CPU = torch.device("cpu")
 # --------------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="module")
-def policy(tiny_model_dir):
+@pytest.fixture(scope="module", params=["tiny_model_dir", "tiny_qwen3_model_dir"], ids=["qwen2.5-vl", "qwen3-vl"])
+def policy(request):
+    """The tiny model of each family: Qwen3-VL adds deepstack vision features and an interleaved mRoPE."""
     torch.manual_seed(0)
-    cfg = SimpleNamespace(path=str(tiny_model_dir), dtype="float32", attn_implementation="sdpa", coord_tokens=True)
+    path = request.getfixturevalue(request.param)
+    cfg = SimpleNamespace(path=str(path), dtype="float32", attn_implementation="sdpa", coord_tokens=True)
     model, tokenizer, coord_ids = load_policy(cfg, CPU)
     return model, tokenizer, coord_ids
 
@@ -70,7 +72,8 @@ def image_segment(model, tokenizer, coord_ids, seed: int, n_images: int, n_text:
         position_ids = pos[:, 0].numpy()
     else:
         position_ids = np.tile(np.arange(len(ids)), (3, 1))
-    patch_dim = 3 * 2 * 14 * 14
+    vc = cfg.vision_config
+    patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
     n_patches = int(grid.prod(dim=1).sum()) if n_images else 0
     segment = Segment(
         sample_id=f"seg{seed}", channel="B", ver=0,
@@ -126,6 +129,20 @@ def test_a_packs_loss_and_gradients_equal_the_sum_over_its_segments_run_one_by_o
     for name, g in g_pack.items():
         torch.testing.assert_close(g, g_alone[name], atol=1e-6 + 1e-4 * scale, rtol=1e-4, msg=f"gradient of {name}")
     assert any(n.startswith("model.visual") for n in g_pack), "the image segments must reach the vision tower"
+
+
+def test_an_image_less_pack_gives_every_vision_parameter_a_zero_gradient(policy):
+    """The zero vision term reaches the whole tower, Qwen3-VL's deepstack mergers included (they are only reached
+    through the tower's list of deepstack features); without it DDP would fail the next step."""
+    model, tokenizer, coord_ids = policy
+    seg = image_segment(model, tokenizer, coord_ids, seed=6, n_images=0, n_text=16, n_boxes=1)
+    model.zero_grad(set_to_none=True)
+    run_pack(model, coord_ids, [seg], Normaliser(ce_tokens=16, boxes=1))
+    vision = {n: p.grad for n, p in model.named_parameters() if n.startswith("model.visual")}
+    model.zero_grad(set_to_none=True)
+    missing = sorted(n for n, g in vision.items() if g is None)
+    assert vision and not missing, f"vision parameters without a gradient: {missing[:5]}"
+    assert all(float(g.abs().max()) == 0 for g in vision.values())
 
 
 def test_without_the_block_mask_segments_would_leak_into_each_other(policy):

@@ -1,6 +1,9 @@
-"""Build a Qwen2.5-VL model directory from scratch: config, random weights, tokenizer, processor.
+"""Build a Qwen2.5-VL or Qwen3-VL model directory from scratch: config, random weights, tokenizer, processor.
 
-    python tools/make_tiny_model.py --out artifacts/tiny-model [--seed 0] [--preset tiny] [--force]
+    python tools/make_tiny_model.py --out artifacts/tiny-model [--family qwen2.5-vl] [--seed 0] [--preset tiny] [--force]
+
+``--family qwen3-vl`` builds ``Qwen3VLForConditionalGeneration`` instead, with the same tokenizer and chat
+template; its presets and config are in ``tools/qwen3_vl_family.py``. What follows describes qwen2.5-vl.
 
 Nothing is downloaded. The result is an ordinary HF model directory, loaded the way a real checkpoint
 is (``AutoModelForImageTextToText`` / ``AutoTokenizer`` / ``AutoProcessor.from_pretrained(path)``):
@@ -56,6 +59,7 @@ from common.assistant_json import (  # noqa: E402
     serialize_objects,
 )
 from common.synthetic import desc_vocabulary  # noqa: E402
+from tools import qwen3_vl_family as qwen3  # noqa: E402
 
 BUILDER_VERSION = 2  # 2: tiny preset rope_theta 10
 BUILD_FILE = "tandem_build.json"
@@ -273,6 +277,24 @@ def pool_init(model, seed: int, std: float) -> None:
                 flat.copy_(pool.repeat(reps)[start:start + n] if reps > 1 else pool[start:start + n])
 
 
+FAMILIES = ("qwen2.5-vl", "qwen3-vl")
+
+
+def family_presets(family: str) -> dict[str, dict]:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    return qwen3.PRESETS if family == "qwen3-vl" else PRESETS
+
+
+def build_family_config(family: str, preset: str, tokenizer):
+    """The model config of ``family`` at ``preset`` for ``tokenizer``'s special-token ids and size."""
+    if family == "qwen2.5-vl":
+        return build_config(preset, tokenizer)
+    names = (ENDOFTEXT, IM_END, IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END)
+    rows = -(-len(tokenizer) // EMBEDDING_ROW_MULTIPLE) * EMBEDDING_ROW_MULTIPLE
+    return qwen3.build_config(preset, {t: tokenizer.convert_tokens_to_ids(t) for t in names}, rows)
+
+
 def build_model(config, seed: int, dtype: str, init: str = "hf"):
     """Random weights, reproducible for a seed: built on the meta device, then materialised on CPU and
     initialised by transformers' ``initialize_weights`` (which also fills the rotary buffers), or by
@@ -280,9 +302,10 @@ def build_model(config, seed: int, dtype: str, init: str = "hf"):
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
+    cls = qwen3.model_class() if config.model_type == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=getattr(torch, dtype))
+        model = cls._from_config(config, dtype=getattr(torch, dtype))
     model.to_empty(device="cpu")
     if init == "pool":
         pool_init(model, seed, float(getattr(config.text_config, "initializer_range", 0.02)))
@@ -305,17 +328,18 @@ def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PI
     )
 
 
-def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None, init: str = "hf") -> dict:
+def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None, init: str = "hf",
+                 family: str = "qwen2.5-vl") -> dict:
     params = {
         "builder": "tools/make_tiny_model.py",
         "version": BUILDER_VERSION,
         "preset": preset,
         "seed": seed,
         "coord_tokens": coord_tokens,
-        "dtype": dtype or PRESETS[preset]["dtype"],
+        "dtype": dtype or family_presets(family)[preset]["dtype"],
     }
-    if init != "hf":  # the default leaves earlier builds' parameters (and caches) as they were
-        params["init"] = init
+    # the defaults leave earlier builds' parameters (and caches) as they were
+    params.update({"family": family} if family != "qwen2.5-vl" else {}, **({"init": init} if init != "hf" else {}))
     return params
 
 
@@ -327,16 +351,19 @@ def _is_built(out: Path, params: dict) -> bool:
 
 
 def _write(out: Path, params: dict) -> dict:
+    family = params.get("family", "qwen2.5-vl")
     tokenizer = build_tokenizer(params["coord_tokens"])
-    config = build_config(params["preset"], tokenizer)
+    config = build_family_config(family, params["preset"], tokenizer)
     model = build_model(config, params["seed"], params["dtype"], params.get("init", "hf"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-    build_image_processor().save_pretrained(out)  # preprocessor_config.json
+    image_processor = qwen3.build_image_processor() if family == "qwen3-vl" else build_image_processor()
+    image_processor.save_pretrained(out)  # preprocessor_config.json
+    processor_class = qwen3.PROCESSOR_CLASS if family == "qwen3-vl" else "Qwen2_5_VLProcessor"
     # NOTE: written by hand because Qwen2_5_VLProcessor cannot be instantiated without torchvision
     # (its video processor needs it; huggingface/transformers#48558), so processor.save_pretrained is
     # out of reach here. AutoProcessor reads processor_class and loads each part from its own file.
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2) + "\n")
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2) + "\n")
     info = {
         "params": params,
         "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -348,7 +375,8 @@ def _write(out: Path, params: dict) -> dict:
             if params["coord_tokens"]
             else None
         ),
-        "image_processor": {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "merge_size": 2},
+        "image_processor": qwen3.IMAGE_PROCESSOR_INFO if family == "qwen3-vl" else
+        {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "merge_size": 2},
     }
     (out / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")  # last: marks the build complete
     return info
@@ -363,16 +391,18 @@ def ensure_tiny_model(
     dtype: str | None = None,
     force: bool = False,
     init: str = "hf",
+    family: str = "qwen2.5-vl",
 ) -> Path:
     """The model directory at ``path``, built unless it already holds a build with these parameters.
 
     Built once and atomically (:func:`common.build_dir.build_once`): concurrent callers never see a
     half-written directory, and a folder that this tool did not write is never deleted.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    presets = family_presets(family)
+    if preset not in presets:
+        raise ValueError(f"unknown preset {preset!r} for family {family}; choose one of {', '.join(presets)}")
     out = Path(path)
-    params = build_params(preset, seed, coord_tokens, dtype, init)
+    params = build_params(preset, seed, coord_tokens, dtype, init, family)
     build_once(out, marker=BUILD_FILE, is_built=lambda d: _is_built(d, params), write=lambda tmp: _write(tmp, params),
                owner="tools/make_tiny_model.py", force=force)
     return out
@@ -382,7 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.parser("python tools/make_tiny_model.py", __doc__)
     parser.add_argument("--out", default="artifacts/tiny-model", help="model directory to write (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
-    parser.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default: %(default)s)")
+    parser.add_argument("--family", choices=FAMILIES, default="qwen2.5-vl", help="architecture (default: %(default)s)")
+    parser.add_argument("--preset", default="tiny",
+                        help=f"model size (default: %(default)s); qwen2.5-vl: {', '.join(PRESETS)}; "
+                             f"qwen3-vl: {', '.join(qwen3.PRESETS)}")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weight dtype (default: float32 for tiny, bfloat16 otherwise)")
     parser.add_argument("--no-coord-tokens", action="store_true", help="leave out the 1000 <|coord_k|> tokens")
@@ -395,14 +428,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = ensure_tiny_model(
             args.out, preset=args.preset, seed=args.seed, coord_tokens=not args.no_coord_tokens,
-            dtype=args.dtype, force=args.force, init=args.init,
+            dtype=args.dtype, force=args.force, init=args.init, family=args.family,
         )
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     info = json.loads((out / BUILD_FILE).read_text())
     print(
-        f"model: {out} (preset {args.preset}, {info['num_parameters']:,} parameters, "
+        f"model: {out} ({args.family}, preset {args.preset}, {info['num_parameters']:,} parameters, "
         f"tokenizer {info['tokenizer_size']}, embedding rows {info['embedding_rows']}, "
         f"coord ids {info['coord_token_ids']}) in {time.monotonic() - t0:.1f}s"
     )

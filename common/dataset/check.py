@@ -207,7 +207,8 @@ def check_file(path: str | os.PathLike[str], *, coord_mode: str | None, image_ro
             from common.targets import channel_a_target
 
             target = channel_a_target(canonical_order(record.objects), encoder.tokenizer,
-                                      desc_ce_weight=desc_ce_weight, coord_ids=encoder.coord_ids)
+                                      desc_ce_weight=desc_ce_weight, coord_ids=encoder.coord_ids,
+                                      answer_format=encoder.prompts.answer_format)
             try:
                 n = int(encoder.prompt(record, record.image_paths(root))["input_ids"].shape[0]) + len(target)
             except (OSError, ValueError) as exc:  # an image PIL opens but the processor cannot take

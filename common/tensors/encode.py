@@ -287,4 +287,4 @@ def encoder_from_config(cfg: Any) -> Encoder:
     """The Encoder the config describes (model.path, packing_length, data.image_root or the JSONL's folder)."""
     root = cfg.data.image_root or str(Path(cfg.data.train_jsonl).resolve().parent)
     return Encoder(cfg.model.path, cfg.training.global_max_length, image_root=root, check_coord_tokens=cfg.model.coord_tokens,
-                   prompts=Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt))
+                   prompts=Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt, cfg.data.answer_format))

@@ -94,8 +94,16 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """HF parameter names and tensors, tied parameters once (under the name ``named_parameters`` keeps).
-    Under FSDP2 the tensors are the sharded DTensors (nothing gathered)."""
-    for name, p in unwrap(model).named_parameters():
+    Under FSDP2 the tensors are the sharded DTensors (nothing gathered). A policy with a peft adapter
+    (``model.adapter.sync: merged``) yields the served model's names and each adapted layer's W + ΔW, made
+    aside: its training weights stay as they are (learner/recipe.py ``merged_weights``)."""
+    from learner.recipe import has_adapter, merged_weights
+
+    inner = unwrap(model)
+    if has_adapter(inner):
+        yield from merged_weights(inner)
+        return
+    for name, p in inner.named_parameters():
         yield name, p.detach()
 
 
