@@ -23,7 +23,6 @@ session's deadline) ends the session as an idle HTTP upload would. Every refusal
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -137,7 +136,8 @@ class BucketStream(asyncio.BufferedProtocol):
             self.body[:len(take)] = take
             self.pos = len(take)
             if len(rest) > nbytes:
-                return self._refuse_in_session(header.session, ApiError(400, "bad_request", "bytes after a bucket before its reply"))
+                return self._refuse_in_session(header.session, ApiError(
+                    400, "bad_request", "bytes after a bucket before its reply"))
         if self.pos == nbytes:
             self._complete()
 
