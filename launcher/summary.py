@@ -308,7 +308,9 @@ def _learner_line(s: dict[str, Any], f: Any) -> str:
     if s.get("tokens_per_s_median") is not None:
         rate = f", {s['tokens_per_s_median']:,.0f} tokens/s median"
         if s.get("mfu_median") is not None:
-            rate += (f", MFU {100 * s['mfu_median']:.1f} % (of {s['peak_tflops']:.1f} TFLOP/s, "
+            peak = s["peak_tflops"]  # a CPU's is ~0.1: three significant digits there, whole numbers on GPUs
+            shown = f"{peak:,.0f}" if peak >= 10 else f"{peak:.3g}"
+            rate += (f", MFU {100 * s['mfu_median']:.1f} % (of {shown} TFLOP/s, "
                      f"{s.get('peak_source') or 'measured'})")
     return (f"learner                {s.get('parallel', 'ddp')}, step {f(s.get('step_time_median_s'))} s median{rate}"
             + (f"; peak per rank: {', '.join(mem)}" if mem else ""))

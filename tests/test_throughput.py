@@ -61,5 +61,7 @@ def test_the_summary_prints_the_median_tokens_per_second_and_mfu_leaving_the_sta
     tps = statistics.median([1000 / s for s in (1.0, 2.0, 4.0)])  # 500: the 20 s first step is not in it
     assert summary["tokens_per_s_median"] == pytest.approx(tps)
     assert summary["mfu_median"] == pytest.approx(6 * 1e9 * tps / 100e12)
-    assert "500 tokens/s median, MFU 3.0 % (of 100.0 TFLOP/s, measured)" in out
+    assert "500 tokens/s median, MFU 3.0 % (of 100 TFLOP/s, measured)" in out
+    cpu = format_summary({**summary, "peak_tflops": 0.0743})  # a CPU's measured peak keeps its digits
+    assert "(of 0.0743 TFLOP/s, measured)" in cpu
     assert "MFU" not in format_summary({**summary, "mfu_median": None, "tokens_per_s_median": None})
