@@ -3,7 +3,8 @@
 Parses arguments and the config (every config error reported at once, exit 2), names the process,
 and only then imports the heavy modules (transformers, torch via the encoder) so that ``--help``
 and config errors answer in well under a second. Exit codes: 0 done or stopped, 2 bad config or
-arguments, 3 no learner within ``actor.learner_wait_timeout_s``, 1 anything unexpected.
+arguments, or a rollout server that resizes images otherwise (``data.min_pixels`` / ``data.max_pixels``),
+3 no learner within ``actor.learner_wait_timeout_s``, 1 anything unexpected.
 """
 
 from __future__ import annotations

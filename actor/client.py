@@ -200,6 +200,24 @@ class RolloutClient:
                                    "still loading")
             self._sleep(min(poll_s, max(0.0, end - time.monotonic())))
 
+    def image_pixels_mismatch(self, ours: Any, timeout_s: float = 5.0) -> str | None:
+        """The start check of the image size: why a server that answers ``/health`` resizes images otherwise than
+        ``ours`` (the encoder's ``common.image_size.ImagePixels``); None when every server that answers resizes
+        alike. One not serving yet is left to the per-prompt check (``Encoder.check_server_prompt``)."""
+        from common.image_size import mismatch
+
+        for url in self.servers:
+            try:
+                _, h = self.health(url, timeout_s=timeout_s)
+            except (httpx.HTTPError, ValidationError, ValueError) as exc:
+                log.info("image size of %s not checked at start (%s: %s); the per-prompt check covers it", url,
+                         type(exc).__name__, exc)
+                continue
+            why = mismatch(h.engine_info.get("image_pixels"), ours, url=url, config=self.config_path)
+            if why:
+                return why
+        return None
+
     # ------------------------------------------------------------------ infer
 
     def infer(self, items: Sequence[InferItem | dict[str, Any]], sampling: SamplingParams, *,

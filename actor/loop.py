@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.05
 MAX_SAMPLE_FAILURES = 5  # a sample the (reachable) server fails on this often is dropped, counted
-EXIT_OK, EXIT_NO_LEARNER = 0, 3
+EXIT_OK, EXIT_CONFIG, EXIT_NO_LEARNER = 0, 2, 3
 
 
 class ActorLoop:
@@ -133,7 +133,8 @@ class ActorLoop:
         self._stop.set()
 
     def run(self) -> int:
-        """Until stopped (signal, ``request_stop`` or ``actor.max_samples``): 0, or 3 if the learner never came."""
+        """Until stopped (signal, ``request_stop`` or ``actor.max_samples``): 0; 2 if a rollout server resizes images
+        otherwise than this actor's encoder (data.min_pixels / data.max_pixels); 3 if the learner never came."""
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -142,6 +143,11 @@ class ActorLoop:
                 return EXIT_NO_LEARNER if not self._stop.is_set() else EXIT_OK
             log.info("%s: learner rank %d is there (%s); share %d packs", self.actor_id, self.rank,
                      self.link.subscriber.endpoint, self.gate.share)
+            check = getattr(self.client, "image_pixels_mismatch", None)  # an injected stand-in may not have it
+            why = check(getattr(self.encoder, "image_pixels", None)) if check is not None else None
+            if why:
+                log.error("%s: %s", self.actor_id, why)
+                return EXIT_CONFIG
             self.stream.skip_keys |= self.link.rejoin_skip  # a restarted actor: what the rank already holds
             next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
             while not self._stop.is_set():

@@ -48,6 +48,7 @@ from common.config_schema import (  # noqa: F401 - re-exported: the schema is pa
 from common.config_migration import key_problems, value_problem
 from common.config_learner import FsdpConfig, check_learner_rules  # noqa: F401 - FsdpConfig re-exported
 from common.config_server import check_server_rules
+from common.config_data import check_data_rules
 from common.config_run import check_run_rules
 from common.config_recipe import check_recipe_rules
 from common.schedule import exact_ratio
@@ -283,6 +284,7 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
         problems.add("training.max_train_seconds", t.max_train_seconds, "must be > 0", "use null for no time budget")
     positive("training.eval_max_images", t.eval_max_images)
     positive("data.num_records_checked_at_start", cfg.data.num_records_checked_at_start, 0)
+    check_data_rules(cfg, problems)
     for key in ("desc_ce_weight", "bbox_smoothl1_weight", "bbox_ciou_weight", "coord_ce_weight"):
         v = getattr(ab, key)
         if isinstance(v, float) and v < 0:

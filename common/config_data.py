@@ -1,7 +1,10 @@
-"""The ``data`` config section: the training and validation records, their prompts and coordinate mode, and
-what a bad record does (the record contract: docs/data.md; the checks: common/dataset/check.py).
+"""The ``data`` config section: the training and validation records, their prompts, coordinate mode and image
+size, and what a bad record does (the record contract: docs/data.md; the checks: common/dataset/check.py).
 
 Split from ``common/config_schema.py``, which re-exports :class:`DataConfig`.
+
+:func:`check_data_rules` holds the section's cross-field rules (the image size: common/image_size.py), called by
+:func:`common.config._check_rules` with its problem list.
 
 What this module does not know: how records are read or trained on.
 """
@@ -9,8 +12,9 @@ What this module does not know: how records are read or trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from common import image_size
 from common.config_fields import doc
 
 
@@ -46,3 +50,28 @@ class DataConfig:
     num_records_checked_at_start: int = doc(
         "Records of train_jsonl (from the top) checked at start under on_bad_record: fail: the contract, the "
         "coordinate mode, that the images exist, open and have the record's width x height. 0 = none.", 1000)
+    min_pixels: int | None = doc(
+        "Smallest image area (width × height, pixels) an image is resized up to, aspect ratio kept. Applied alike by "
+        "the learner's and the actors' encoder, the rollout server (hf engine: the same processor; vllm: "
+        "mm_processor_kwargs) and so the evaluator. None = the model's own (preprocessor_config.json). docs/data.md, "
+        "Image size.", None)
+    max_pixels: int | None = doc(
+        "Largest image area (width × height, pixels) an image is resized down to, aspect ratio kept, sides a "
+        "multiple of patch_size × merge_size (28 for Qwen2/2.5-VL, 32 for Qwen3-VL): at most max_pixels / 28² "
+        "(/ 32²) image tokens an image, e.g. 1003520 = 1280 tokens at 28. At least one merged patch (28² = 784, "
+        "32² = 1024) and ≥ min_pixels. Applied where min_pixels is; a server that resizes otherwise is refused at "
+        "the actors' and the evaluator's start. None = the model's own. docs/data.md, Image size.", None)
+
+
+def check_data_rules(cfg: Any, problems: Any) -> None:
+    """``data.min_pixels`` / ``data.max_pixels``: positive, min ≤ max and, where ``model.path`` holds a
+    preprocessor_config.json, at least one merged patch and in range with the model's value for the unset key."""
+    d = cfg.data
+    lo = d.min_pixels if isinstance(d.min_pixels, int) else None
+    hi = d.max_pixels if isinstance(d.max_pixels, int) else None
+    if lo is None and hi is None:
+        return
+    path = cfg.model.path if isinstance(cfg.model.path, str) else ""
+    model = image_size.model_pixels(path) if path else None
+    for key, value, problem, fix in image_size.problems(lo, hi, model, path):
+        problems.add(key, value, problem, fix)

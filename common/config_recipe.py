@@ -42,9 +42,11 @@ class AdapterConfig:
         "rows; they are synced and checkpointed whole.", factory=list)
     sync: Literal["merged", "adapter"] = doc(
         "How the weights reach the rollout server. merged: the learner computes W + ΔW (DoRA: with its magnitude) "
-        "for every adapted layer, leaving its training weights as they are, and pushes full weights under the HF "
-        "names (as many bytes as a full fine-tune's sync). adapter (pushing only the adapter tensors) is not "
-        "implemented yet and is refused at load.", "merged")
+        "for every adapted layer, leaving its training weights as they are, and pushes the changed weights under "
+        "the HF names (the adapted layers' merged weights and modules_to_save; frozen weights stay on the server). "
+        "adapter: only the adapter's tensors (LoRA A/B, DoRA magnitudes) travel, plus modules_to_save, and the "
+        "server merges them into its kept base weights with peft's merge (rollout_server.engine: hf only; the "
+        "vllm engine is refused at load). docs/models.md, Adapters, has the bytes of each.", "merged")
 
 
 @dataclass
@@ -97,6 +99,8 @@ def check_recipe_rules(cfg: Any, problems: Any) -> None:
         problems.add("model.adapter", a.type, "adapters are wired for learner.parallel: ddp only (the merged sync "
                      "computes W + ΔW from whole tensors, FSDP2 holds shards)", "use learner.parallel: ddp (an "
                      "adapter's AdamW state is small), or model.adapter: null for FSDP2")
-    if a.sync == "adapter":
-        problems.add("model.adapter.sync", a.sync, "adapter-only sync is not implemented yet (the server would have "
-                     "to merge or serve the adapter)", "use model.adapter.sync: merged (full merged weights per sync)")
+    if a.sync == "adapter" and cfg.rollout_server.engine == "vllm":
+        problems.add("model.adapter.sync", a.sync, "adapter-only sync is served by the hf engine only (the vllm "
+                     "engine neither merges a pushed adapter nor serves it as a LoRA in tandem yet)",
+                     "use model.adapter.sync: merged with rollout_server.engine: vllm (the learner pushes merged "
+                     "weights), or rollout_server.engine: hf")

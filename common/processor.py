@@ -10,6 +10,10 @@ either way, so the prompt ids are identical wherever this is called.
 # NOTE: huggingface/transformers#48558 (video processor requires torchvision). Drop the fallback
 # once AutoProcessor builds image-only Qwen-VL processors without it.
 
+``min_pixels`` / ``max_pixels`` (``data.*`` of the config; None = the model's own) go to the image processor at
+load, checked first (:mod:`common.image_size`) and read back after, so a processor that ignored them fails here
+instead of tokenizing images differently from the other processes.
+
 Importing this module is free; calling :func:`load_processor` imports transformers (and torch).
 """
 
@@ -27,13 +31,33 @@ log = logging.getLogger(__name__)
 IMAGE_ONLY_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
 
 
-def load_processor(model_path: str | os.PathLike[str]) -> Any:
-    """The processor of ``model_path`` (tokenizer at ``.tokenizer``), image-only when torchvision is missing."""
-    from transformers import AutoProcessor
+def load_processor(model_path: str | os.PathLike[str], *, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> Any:
+    """The processor of ``model_path`` (tokenizer at ``.tokenizer``), image-only when torchvision is missing, resizing
+    images into ``[min_pixels, max_pixels]`` (None = the model's own value). Raises ``ImageSizeError`` naming
+    ``data.min_pixels`` / ``data.max_pixels`` when they cannot apply to this model."""
+    from common import image_size
 
     path = os.fspath(model_path)
+    resolved = image_size.resolve(path, min_pixels, max_pixels)  # the rules that need the patch size, before loading
+    kwargs = image_size.overrides(min_pixels, max_pixels, resolved)
+    processor = _load(path, kwargs)
+    if kwargs:
+        got = image_size.processor_pixels(getattr(processor, "image_processor", None))
+        given = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        if got is None or any(getattr(got, k) != v for k, v in given.items()):
+            raise image_size.ImageSizeError(
+                f"{path}: data.{' and data.'.join(given)} = {given} did not reach its image processor (it resizes "
+                f"with {got.as_dict() if got else 'no pixel range'}). Fix: use a Qwen-VL family model, or unset "
+                f"data.{' and data.'.join(given)}")
+    return processor
+
+
+def _load(path: str, kwargs: dict[str, Any]) -> Any:
+    from transformers import AutoProcessor
+
     try:
-        return AutoProcessor.from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, **kwargs)
     except (ImportError, ValueError) as exc:
         # ImportError from a video processor class; ValueError from the video-processor auto-loader (a checkpoint
         # naming a Fast image processor, as the Qwen3-VL ones do)
@@ -43,7 +67,7 @@ def load_processor(model_path: str | os.PathLike[str]) -> Any:
         if cls is None:
             raise
         log.info("%s: torchvision missing, using the image-only %s (videos unsupported)", path, cls.__name__)
-        return cls.from_pretrained(path)
+        return cls.from_pretrained(path, **kwargs)
 
 
 def _image_only_class(path: str) -> type | None:

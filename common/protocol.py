@@ -33,6 +33,7 @@ from common.sync_messages import (  # noqa: F401  (re-exported: the /sync/* half
     MAX_VER_JUMP,
     STREAM_MAGIC,
     SYNC_DTYPE_BYTES,
+    AdapterSpec,
     SharedBuffer,
     SyncAbortRequest,
     SyncAbortResponse,
@@ -326,7 +327,9 @@ class HealthResponse(_Message):
     """The server's ``SCHEMA_VERSION``; clients refuse a different one at start."""
     engine_info: dict[str, Any] = Field(default_factory=dict)
     """Engine details for operators (``Engine.health_info``): device, dtype, TP/DP and, for vLLM, the
-    weight-load path in use (``fast``, ``native``, or ``native (fast refused: <why>)``)."""
+    weight-load path in use (``fast``, ``native``, or ``native (fast refused: <why>)``); ``image_pixels``
+    (``{"min_pixels": 3136, "max_pixels": 12544, "multiple_of": 28}``, None for a text-only model): what images
+    are resized with, compared by actors and the evaluator at start (``common.image_size.mismatch``)."""
 
 
 # =============================================================================================

@@ -79,13 +79,33 @@ class TensorSpec(_Message):
         return shape
 
 
+class AdapterSpec(_Message):
+    """The adapter an ``adapter`` session pushes instead of merged weights; the server merges it with peft into its
+    kept base copy of each layer at every commit (tensor names and shapes: ``rollout_server/engines/adapter_merge.py``).
+
+    Example:
+        {"type": "dora", "rank": 8, "alpha": 16.0, "dtype": "float32", "layers": ["model.visual.merger.mlp.0"]}
+    """
+
+    type: Literal["lora", "dora"]
+    """``lora``: W + (alpha / rank) B A; ``dora``: peft's ``use_dora`` (a learned per-row magnitude on top)."""
+    rank: int = Field(ge=1)
+    """LoRA rank r of every adapted layer."""
+    alpha: float = Field(gt=0)
+    """LoRA alpha: the update is scaled by alpha / rank."""
+    dtype: SyncDtype
+    """Dtype the adapter tensors travel in and the merge runs in (the learner's training dtype)."""
+    layers: list[str] = Field(min_length=1)
+    """HF module names of the adapted linear layers; ``<layer>.weight`` must be a served 2-D parameter."""
+
+
 class SyncInitRequest(_Message):
     """Body of ``POST /sync/init``: open a sync session (idle -> open).
 
     Example:
         {"client": "learner-rank0", "transport": "http", "bucket_bytes": 536870912,
          "master_addr": null, "master_port": null, "world_size": null, "rank_offset": 1,
-         "backend": "nccl", "timeout_s": 600.0}
+         "backend": "nccl", "timeout_s": 600.0, "skip": ["model.visual.patch_embed.proj.weight"], "adapter": null}
     """
 
     client: str = Field(min_length=1)
@@ -111,6 +131,11 @@ class SyncInitRequest(_Message):
     weight_load: Literal["fast", "native"] | None = None
     """NCCL only: overrides ``rollout_server.weight_load`` for this session (the benchmark and the GPU
     tests compare the two load paths on one server); None keeps the server's setting."""
+    skip: list[str] = Field(default_factory=list)
+    """Served names frozen for the learner's run (equal to the checkpoint both loaded), not to be sent: accepted
+    if served and unwritten by any commit since the server loaded (``SyncInitResponse.skip``), unknown: 400."""
+    adapter: AdapterSpec | None = None
+    """An ``adapter`` session (an engine that cannot merge answers 400); None: sent weights are served as is."""
 
     model_config = {"json_schema_extra": {
         "if": {"properties": {"transport": {"const": "nccl"}}, "required": ["transport"]},
@@ -135,7 +160,7 @@ class SyncInitResponse(_Message):
     Example:
         {"session": "s-7f3a", "ver": 3, "dtype": "bfloat16",
          "manifest": [{"name": "lm_head.weight", "dtype": "bfloat16", "shape": [151936, 896]}],
-         "tied": [["model.embed_tokens.weight", "lm_head.weight"]]}
+         "tied": [["model.embed_tokens.weight", "lm_head.weight"]], "skip": [], "adapter_manifest": []}
     """
 
     session: str
@@ -151,6 +176,12 @@ class SyncInitResponse(_Message):
     data_token: str | None = None
     """``http`` sessions: the secret a bucket stream connection quotes (``rollout_server/sync_stream.py``:
     buckets on a raw connection to the same port instead of ``POST /sync/bucket`` bodies); None: not offered."""
+    skip: list[str] = Field(default_factory=list)
+    """The ``SyncInitRequest.skip`` names accepted: not sent this session; the fingerprint covers them as held."""
+    skip_refused: str | None = None
+    """Why some declared names were not accepted (the learner sends those); None: all accepted."""
+    adapter_manifest: list[TensorSpec] = Field(default_factory=list)
+    """``adapter`` sessions: the adapter tensors to send, instead of the adapted layers' ``.weight``; else empty."""
 
 
 class SyncBeginRequest(_Message):

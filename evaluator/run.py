@@ -6,6 +6,7 @@
         └─ else: python -m rollout_server (hf engine, CPU, free loopback port, log in OUT/rollout_server.log)
                  wait for GET /health 200 (deadline --server-timeout; a server that exits is reported at once)
         │
+        ▼  start check: the server's engine_info.image_pixels = --config's data.min/max_pixels for the model
         ▼
     evaluate_records (batches of --batch-size; each /infer waits at most --infer-timeout)
         ▼
@@ -147,6 +148,37 @@ def config_coord_mode(config: str) -> str | None:
         return None
 
 
+def config_pixels(config: str) -> tuple[int | None, int | None]:
+    """``data.min_pixels`` / ``data.max_pixels`` of ``--config`` (None = the model's own); a config that does not
+    load gives (None, None) here, as in config_coord_mode."""
+    from common.config import ConfigError, load_config
+
+    try:
+        data = load_config(config).data
+    except ConfigError:
+        return None, None
+    return data.min_pixels, data.max_pixels
+
+
+def check_server_pixels(health: Any, model_dir: Path, config: str, url: str) -> dict[str, Any]:
+    """The start check: the server must resize images as ``--config`` says for ``model_dir`` (the image tokens the
+    model was trained on); raises EvalFailure naming the difference and the fix. Returns report.json's
+    ``image_size``."""
+    from common import image_size
+
+    lo, hi = config_pixels(config)
+    try:
+        ours = image_size.resolve(model_dir, lo, hi)
+    except image_size.ImageSizeError as exc:
+        raise EvalFailure(f"--config {config}: {exc}") from None
+    served = (health.engine_info or {}).get("image_pixels")
+    why = image_size.mismatch(served, ours, url=url, config=config)
+    if why:
+        raise EvalFailure(why)
+    return {"data.min_pixels": lo, "data.max_pixels": hi, "served": served,
+            "expected": ours.as_dict() if ours else None}
+
+
 def _checkpoint_info(args: argparse.Namespace) -> dict[str, Any] | None:
     if not args.checkpoint:
         return None
@@ -217,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
             server_info = {"url": client.url, "started_by_evaluator": True, "command": servers[-1].command(),
                            "log": str(servers[-1].log_path)}
         server_info.update(engine=health.engine, model=health.model, ver_at_start=health.ver)
+        pixels = check_server_pixels(health, Path(args.model_dir), args.config, client.url)
         log.info("evaluating %d images on %s (%s engine, ver %d)", len(evalset.records), client.url, health.engine,
                  health.ver)
 
@@ -236,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             "skipped_lines": evalset.skipped, "server": server_info, "ver": result.ver_max,
             "ver_min": result.ver_min, "ver_max": result.ver_max, "decoding": result.sampling,
             "config": {"path": args.config, "source": getattr(args, "config_source", "--config")},
-            "prompts": {"system": prompts.system, "user": prompts.user},
+            "prompts": {"system": prompts.system, "user": prompts.user}, "image_size": pixels,
             "max_images": args.max_images, "batch_size": args.batch_size, "eval_time_s": result.elapsed_s,
             "elapsed_s": time.monotonic() - t0, **result.report.as_dict(), "record": result.record(),
             "images": [im.as_dict() for im in result.images],

@@ -138,6 +138,9 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         "nonfinite_skipped": int(last.get("learner/nonfinite_skipped_total", 0)),
         "ver_final": int(final["ver"]) if final else int(last.get(K + "ver_current", 0)),
         "syncs": _syncs(records, final),
+        # what the pushes moved and what they left on the servers (frozen weights; an adapter sync's merged layers)
+        "sync_bytes": sum(float(r.get("sync/bytes", 0.0)) for r in records),
+        "sync_skipped_bytes": sum(float(r.get("sync/skipped_bytes", 0.0)) for r in records),
         "packs_trained_b": trained_b,
         "mean_fill_b": _mean([r.get("packing/fill", 0.0) for r in b_recs]),
         "mean_fill_a": _mean([r.get("packing/fill", 0.0) for r in records if not r.get(K + "step_kind_b")]),
@@ -246,12 +249,27 @@ def _sync_stall(records: list[dict[str, Any]]) -> dict[str, Any]:
     stalls = [float(r.get("time/sync_stall", 0.0)) for r in steps[1:]]
     train_s = sum(float(r.get("time/step", 0.0)) for r in records)
     stalled = sum(float(r.get("time/sync_stall", 0.0)) for r in records)
+    # after the start-up sync (it builds the transfer group, a first overlap snapshot allocates its buffer, and the
+    # first step compiles): what the syncs cost per unit of training in the steady state, which a short run's
+    # share hides behind its start
+    after = records[next((i for i, r in enumerate(records) if r is steps[0]), -1) + 1:] if steps else records
+    after_s = sum(float(r.get("time/step", 0.0)) for r in after)
     return {
         "sync_mode": "overlap" if overlap else "blocking",
         "sync_stall_median_s": statistics.median(stalls) if stalls else None,
         "sync_stall_n": len(stalls),
         "sync_stall_share": stalled / train_s if train_s else None,
+        "sync_stall_share_after_start": sum(float(r.get("time/sync_stall", 0.0)) for r in after) / after_s
+        if after_s else None,
     }
+
+
+def _sync_bytes(s: dict[str, Any]) -> str:
+    """``; 1.2 MB sent, 14.0 MB left on the servers`` when the records carry the pushes' bytes (else nothing)."""
+    sent, skipped = s.get("sync_bytes") or 0.0, s.get("sync_skipped_bytes") or 0.0
+    if not sent and not skipped:
+        return ""
+    return f"; {sent / 1e6:.1f} MB sent, {skipped / 1e6:.1f} MB left on the servers (frozen or merged there)"
 
 
 def _syncs(records: list[dict[str, Any]], final: dict[str, Any] | None) -> int:
@@ -278,9 +296,10 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"packs trained (B)      {s['packs_trained_b']}",
         f"drops: stale / oldest  {s['drop_stale_total']} / {s['drop_oldest_total']}  (packs rejected at admission: "
         f"{s.get('rejected_total', 0)}; steps skipped for a non-finite loss: {s.get('nonfinite_skipped', 0)})",
-        f"final ver              {s['ver_final']}  (syncs: {s['syncs']})",
+        f"final ver              {s['ver_final']}  (syncs: {s['syncs']}{_sync_bytes(s)})",
         f"sync stall per sync    {f(s.get('sync_stall_median_s'))} s  ({s.get('sync_mode', 'blocking')}, median of "
-        f"{s.get('sync_stall_n', 0)} after the first; {_pct(s.get('sync_stall_share'))} of training time)",
+        f"{s.get('sync_stall_n', 0)} after the first; {_pct(s.get('sync_stall_share'))} of training time, "
+        f"{_pct(s.get('sync_stall_share_after_start'))} after the start-up sync)",
         f"mean pack fill         B {f(s['mean_fill_b'])}  A {f(s['mean_fill_a'])}",
         f"learner busy fraction  {f(s['busy_fraction'])}  (waited for packs {s['wait_for_packs_s']:.2f} s, "
         f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s; inputs {s.get('prepare_inputs_s', 0.0):.2f} s, "
@@ -392,7 +411,8 @@ def best_checkpoint(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.0f} %"
+    """A share as a percentage: one decimal below 10 % (a 0.2 % stall is not "0 %")."""
+    return "n/a" if x is None else f"{100 * x:.1f} %" if 100 * x < 10 else f"{100 * x:.0f} %"
 
 
 def print_summary(run_dir: Path, wall_s: float | None = None, exit_codes: dict[str, Any] | None = None) -> dict:

@@ -178,6 +178,54 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield hf_name(name), p.detach()
 
 
+def frozen_names(model: torch.nn.Module) -> list[str]:
+    """The served names (:func:`merged_weights`'s) whose values stay as loaded for the whole run: parameters that
+    take no gradient (``model.freeze`` groups; under an adapter every base weight) minus the adapted layers'
+    weights (their merge changes; their biases do not) and the adapter's own tensors. A weight sync declares them
+    and sends them only where the server cannot vouch for its copy (``SyncInitRequest.skip``). ``requires_grad``
+    is set once, before the model is wrapped (:func:`apply_recipe`), and never changes during a run."""
+    adapted = {name for name, m in model.named_modules() if _is_lora_layer(m)}
+    out = []
+    for name, p in model.named_parameters():
+        if p.requires_grad or ".lora_" in name or ".original_module." in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight" and owner.removesuffix(".base_layer") in adapted:
+            continue  # its bias (bias="none") is not merged: frozen like any other base weight
+        out.append(hf_name(name))
+    return out
+
+
+def adapter_push(model: torch.nn.Module) -> Any:
+    """The adapter a ``model.adapter.sync: adapter`` push sends (:class:`learner.sync.base.AdapterPush`): its shape
+    and, per adapted layer, ``<layer>.lora_A.weight``, ``<layer>.lora_B.weight`` and (DoRA)
+    ``<layer>.lora_magnitude_vector.weight``, the tensors as trained (the server merges in their dtype)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from common.protocol import AdapterSpec
+    from common.tensors.weights import dtype_name
+    from learner.sync.base import AdapterPush
+
+    config = model._tandem_lora_config
+    layers = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
+    odd = [name for name, m in layers.items() if not isinstance(m, LoraLinear)]
+    if odd:
+        raise ValueError(f"model.adapter.sync: adapter merges linear layers only; {odd[0]!r} is a "
+                         f"{type(layers[odd[0]]).__name__}. Fix: model.adapter.sync: merged, or target_modules that "
+                         "name linear layers only")
+    tensors = []
+    for name, layer in layers.items():
+        (adapter,) = layer.active_adapters
+        tensors.append((f"{name}.lora_A.weight", layer.lora_A[adapter].weight.detach()))
+        tensors.append((f"{name}.lora_B.weight", layer.lora_B[adapter].weight.detach()))
+        if config.use_dora:
+            tensors.append((f"{name}.lora_magnitude_vector.weight",
+                            layer.lora_magnitude_vector[adapter].weight.detach()))
+    spec = AdapterSpec(type="dora" if config.use_dora else "lora", rank=config.r, alpha=float(config.lora_alpha),
+                       dtype=dtype_name(tensors[0][1].dtype), layers=list(layers))
+    return AdapterPush(spec=spec, tensors=tensors)
+
+
 # --------------------------------------------------------------------------------------------- checkpoints
 
 #: Where a learner checkpoint (and ``learner.export --adapter-only``) keeps the adapter: peft's own layout

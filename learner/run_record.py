@@ -5,7 +5,8 @@
                                             comment: load_config recomputes them and refuses them as keys)
     {training.output_dir}/run_info.json     seeds and the rules that spread them, rollout and evaluation
                                             decoding, world size, derived values, model and data provenance
-                                            (``tandem_build.json``, ``manifest.json``), package versions, git
+                                            (``tandem_build.json``, ``manifest.json``), the image size in use
+                                            (``image_pixels``: data.min/max_pixels over the model's), package versions, git
                                             commit, start time (UTC)
 
 A fresh start makes the run id (``run_id``, uuid4 hex; ``common/checkpoints.py``); resumes keep it and
@@ -174,6 +175,7 @@ def run_info(cfg: Any, *, world_size: int, resumed_from_step: int | None) -> dic
         "model": {"path": cfg.model.path, "abs_path": _abs(cfg.model.path),
                   "tandem_build": _read_json(Path(cfg.model.path) / "tandem_build.json")},
         "data": _data_info(cfg.data),
+        "image_pixels": _image_pixels(cfg),
         "versions": {"python": platform.python_version(),
                      **{name: _version(name) for name in ("torch", "transformers", "tandem")}},
         "git": _git(),
@@ -197,6 +199,19 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     for k, v in d.items():
         out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
+
+
+def _image_pixels(cfg: Any) -> dict[str, Any] | None:
+    """What images are resized with: data.min_pixels / data.max_pixels over model.path's own (common/image_size.py)."""
+    from common.image_size import ImageSizeError, resolve
+
+    try:
+        pixels = resolve(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
+    except ImageSizeError:  # the config check refused it already; the encoder raises it with the fix
+        return None
+    if pixels is None:
+        return None
+    return {**pixels.as_dict(), "data.min_pixels": cfg.data.min_pixels, "data.max_pixels": cfg.data.max_pixels}
 
 
 def _data_info(data: Any) -> dict[str, Any]:

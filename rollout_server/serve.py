@@ -65,13 +65,14 @@ def run(cfg: Any, sock: socket.socket) -> int:
     """Serve on the bound ``sock`` until SIGTERM/SIGINT (0) or an engine start failure (3)."""
     import uvicorn
 
+    from common.image_size import ImageSizeError
     from rollout_server.app import build_app
     from rollout_server.engines import EngineUnavailable, make_engine
 
     srv = cfg.rollout_server
     try:
         engine = make_engine(cfg)
-    except EngineUnavailable as exc:
+    except (EngineUnavailable, ImageSizeError) as exc:
         log.error("%s", exc)
         return EXIT_ENGINE
     failed: list[str] = []

@@ -233,14 +233,24 @@ class SyncController:
                 except Exception as exc:  # noqa: BLE001 - reported to the learner, no session opened
                     raise ApiError(500, "engine_error", f"joining the weight-transfer group at {req.master_addr}:"
                                    f"{req.master_port} failed: {type(exc).__name__}: {exc}") from None
+            try:  # an adapter's first session copies its layers' base weights: off the event loop
+                terms = await asyncio.to_thread(self.engine.open_session, req.skip, req.adapter)
+            except WeightUpdateError as exc:
+                where = "adapter" if exc.field == "adapter" else "skip"
+                raise ApiError(400, "bad_request", f"{where}: {exc}", field=where) from None
             self.session = Session(id=f"s-{secrets.token_hex(4)}", client=req.client, transport=req.transport,
                                    deadline=time.monotonic() + req.timeout_s,
                                    data_token=secrets.token_urlsafe(24) if req.transport == "http" else None)
             self.state = SyncState.OPEN
-            log.info("sync session %s opened by %s (%s)", self.session.id, req.client, req.transport)
+            log.info("sync session %s opened by %s (%s%s%s)", self.session.id, req.client, req.transport,
+                     f", {len(terms.skip)} frozen name(s) kept" if terms.skip else "",
+                     f", {req.adapter.type} adapter on {len(req.adapter.layers)} layer(s)" if req.adapter else "")
+            if terms.skip_refused:
+                log.info("sync session %s: frozen names not taken: %s", self.session.id, terms.skip_refused)
             return SyncInitResponse(session=self.session.id, ver=self.fence.ver, dtype=self.engine.serving_dtype(),
                                     manifest=self.engine.manifest(), tied=self.engine.tied_groups(),
-                                    data_token=self.session.data_token)
+                                    data_token=self.session.data_token, skip=terms.skip,
+                                    skip_refused=terms.skip_refused, adapter_manifest=terms.adapter_manifest)
 
     def engine_transports(self) -> list[str]:
         return list(getattr(self.engine, "transports", ("http",)))

@@ -1,6 +1,7 @@
 """configs/demo_cpu_qwen3_dora.yaml, shorter: the launcher's whole topology on the tiny Qwen3-VL with a DoRA adapter,
-a frozen vision tower and merger/LLM learning rates: B steps trained, syncs of merged weights committed, a
-checkpoint holding the adapter, the frozen tower's weights untouched, and every process exiting 0."""
+a frozen vision tower and merger/LLM learning rates: B steps trained, adapter-only syncs committed (the server
+merges; the frozen tower and every unadapted base weight stay on it), a checkpoint holding the adapter, the frozen
+tower's weights untouched, and every process exiting 0."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ STEPS = 8
 
 
 @pytest.mark.slow
-def test_the_dora_demo_trains_b_steps_syncs_merged_weights_and_checkpoints_the_adapter(tmp_path, tiny_qwen3_model_dir,
+def test_the_dora_demo_trains_b_steps_syncs_the_adapter_alone_and_checkpoints_it(tmp_path, tiny_qwen3_model_dir,
                                                                                          detector_data_dir):
     cfg = yaml.safe_load((REPO / "configs/demo_cpu_qwen3_dora.yaml").read_text())
     http, zmq = free_port_block(1), free_port_block(4)
@@ -54,6 +55,9 @@ def test_the_dora_demo_trains_b_steps_syncs_merged_weights_and_checkpoints_the_a
     first, last = records[0], records[-1]
     assert last["learner/steps_b_total"] >= 1 and last["learner/steps_a_total"] + last["learner/steps_b_total"] == STEPS
     assert last["sync/successes"] >= 2 and last["sync/failures"] == 0
+    pushes = [r for r in records if r.get("sync/bytes")]
+    assert pushes and all(r["sync/bytes"] * 5 < r["sync/skipped_bytes"] for r in pushes), \
+        "an adapter sync sends the adapter, not the weights it merges into"
     # the lr after step 0's scheduler step (the end of the 2-step warmup): each group's own peak; the last
     # step's cosine reaches 0 for both, so only an early record tells the groups apart
     assert (first["train/lr_merger"], first["train/lr_llm"]) == pytest.approx((1e-3, 2e-4))

@@ -120,10 +120,11 @@ def test_lr_groups_and_freeze_are_checked_at_load_naming_the_key_and_the_fix():
 # --------------------------------------------------------------------------------------------- adapters
 
 
-def test_adapter_keys_are_checked_at_load_and_unbuilt_modes_are_refused():
+def test_adapter_keys_are_checked_at_load_and_unserved_modes_are_refused():
     cfg = load_config(DEMO, ["model.adapter.type=dora", "model.adapter.target_modules=[q_proj,v_proj]"])
     assert cfg.model.adapter.type == "dora" and cfg.model.adapter.target_modules == ["q_proj", "v_proj"]
-    for overrides, words in ((["model.adapter.type=lora", "model.adapter.sync=adapter"], "model.adapter.sync: merged"),
+    for overrides, words in ((["model.adapter.type=lora", "model.adapter.sync=adapter", "rollout_server.engine=vllm"],
+                              "model.adapter.sync: merged"),
                              (["model.adapter.type=lora", "model.adapter.rank=0"], "model.adapter.rank"),
                              (["model.adapter.type=lora", "learner.parallel=fsdp"], "learner.parallel: ddp"),
                              (["model.adapter.rank=8"], "model.adapter.type")):

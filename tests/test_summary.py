@@ -72,6 +72,7 @@ def test_sync_stall_per_sync_and_its_share_of_training_time_blocking_and_overlap
     s = summarize(recs)
     assert (s["sync_mode"], s["sync_stall_median_s"], s["sync_stall_n"]) == ("blocking", 0.4, 2)
     assert s["sync_stall_share"] == 2.8 / 8.0
+    assert s["sync_stall_share_after_start"] == 0.8 / 5.0, "the steps after the start-up sync's step"
     # overlap: the step that started a push stalls for the snapshot; the adopting step's sync_total is not a stall
     recs = [{"step": 0, "time/step": 5.0, "time/sync_stall": 4.0, "sync/started": 1},
             {"step": 1, "time/step": 1.0, "time/sync_stall": 0.001, "sync/started": 0, "time/sync_total": 0.9},
@@ -80,6 +81,8 @@ def test_sync_stall_per_sync_and_its_share_of_training_time_blocking_and_overlap
     s = summarize(recs)
     assert (s["sync_mode"], s["sync_stall_median_s"], s["sync_stall_n"]) == ("overlap", 0.015, 2)
     assert "sync stall per sync    0.015 s  (overlap, median of 2 after the first;" in format_summary(s)
+    assert s["sync_stall_share_after_start"] == 0.031 / 3.0
+    assert "of training time, 1.0 % after the start-up sync)" in format_summary(s)
 
 
 def test_busy_is_the_records_busy_time_over_the_step_time_so_a_gpu_learners_device_time_counts():

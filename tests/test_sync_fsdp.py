@@ -198,11 +198,18 @@ def _fail(a, dist, model, trainer, config, result) -> None:
         before = _served(refusing) if dist.is_main else None
         t0 = time.monotonic()
         out = sync.run(model, step=1, ver=0)
+        import threading
+
         result[name] = {"ok": out.ok, "ver": out.ver, "gathers": sync.gathers, "s": time.monotonic() - t0,
-                        "failures": sync.counts["sync/failures"]}
+                        "failures": sync.counts["sync/failures"],
+                        "sync_threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("wsync"))}
         if dist.is_main:
             result[name].update(before=before, after=_served(refusing))
         sync.close()
+        import gc
+
+        from common.tensors.weights import TorchTransferGroup  # released at once, not at a random collection later
+        result[name]["groups_alive"] = sum(isinstance(o, TorchTransferGroup) for o in gc.get_objects())
     if dist.is_main:  # the refusal was mid-push: the first bucket over the server's 1 MB cap is not the first
         from common.tensors import packed as P
         from learner.sync.control import SyncClient
@@ -323,6 +330,8 @@ def test_a_push_failing_mid_way_leaves_both_ranks_alive_on_the_old_ver(tiny_mode
         assert not r0[name]["ok"] and not r1[name]["ok"] and r0[name]["ver"] == r1[name]["ver"] == 0, name
         assert r0[name]["failures"] == r1[name]["failures"] == 1, name
         assert r0[name]["after"] == r0[name]["before"], f"{name}: the server must keep its old weights and ver"
+        assert r0[name]["sync_threads"] == r1[name]["sync_threads"] == [], f"{name}: a failed push leaves no thread"
+        assert r0[name]["groups_alive"] == 0, f"{name}: the dropped transfer group must be freed when dropped"
     # rank 0 drove every announced gather although sending stopped, and rank 1 took part in each one; the server
     # after the killed one got an empty plan (no gathers) and was not pushed to
     for name in ("refused", "killed"):

@@ -24,8 +24,9 @@ is (``AutoModelForImageTextToText`` / ``AutoTokenizer`` / ``AutoProcessor.from_p
 - The standard Qwen2-VL chat template, the PIL Qwen2-VL image processor with
   ``min_pixels = 56*56`` and ``max_pixels = 112*112`` (a 112x112 image is 8x8 patches = 16 image
   tokens), and a generation config (greedy, eos ``<|im_end|>``, pad ``<|endoftext|>``).
-- Embedding rows = tokenizer size rounded up to a multiple of 64; word embeddings are tied for every
-  preset but 7b, as in the Qwen2.5 checkpoints of those sizes.
+- Embedding rows = tokenizer size rounded up to a multiple of 64 (``--vocab 151936``: a real checkpoint's
+  rows, for timings at the operating point); word embeddings are tied for every preset but 7b, as in the
+  Qwen2.5 checkpoints of those sizes. ``--max-pixels`` sets the processor's cap (1024² keeps 1024-px images).
 
 ``tandem_build.json`` records the build parameters; a later run with the same ones does nothing.
 """
@@ -44,20 +45,9 @@ if __package__ in (None, ""):  # run as `python tools/make_tiny_model.py`: make 
 
 from common import cli  # noqa: E402
 from common.build_dir import build_once  # noqa: E402
-from common.assistant_json import (  # noqa: E402
-    CHAT_SPECIAL_TOKENS,
-    COORD_TOKENS,
-    ENDOFTEXT,
-    IM_END,
-    IMAGE_PAD,
-    SYSTEM_PROMPT,
-    USER_PROMPT,
-    VIDEO_PAD,
-    VISION_END,
-    VISION_START,
-    GTObject,
-    serialize_objects,
-)
+from common.assistant_json import (CHAT_SPECIAL_TOKENS, COORD_TOKENS, ENDOFTEXT, IM_END, IMAGE_PAD,  # noqa: E402
+                                   SYSTEM_PROMPT, USER_PROMPT, VIDEO_PAD, VISION_END, VISION_START, GTObject,
+                                   serialize_objects)
 from common.synthetic import desc_vocabulary  # noqa: E402
 from tools import qwen3_vl_family as qwen3  # noqa: E402
 
@@ -329,7 +319,7 @@ def build_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PI
 
 
 def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None, init: str = "hf",
-                 family: str = "qwen2.5-vl") -> dict:
+                 family: str = "qwen2.5-vl", vocab: int | None = None, max_pixels: int | None = None) -> dict:
     params = {
         "builder": "tools/make_tiny_model.py",
         "version": BUILDER_VERSION,
@@ -340,6 +330,7 @@ def build_params(preset: str, seed: int, coord_tokens: bool, dtype: str | None, 
     }
     # the defaults leave earlier builds' parameters (and caches) as they were
     params.update({"family": family} if family != "qwen2.5-vl" else {}, **({"init": init} if init != "hf" else {}))
+    params.update({"vocab": vocab} if vocab else {}, **({"max_pixels": max_pixels} if max_pixels else {}))
     return params
 
 
@@ -354,10 +345,15 @@ def _write(out: Path, params: dict) -> dict:
     family = params.get("family", "qwen2.5-vl")
     tokenizer = build_tokenizer(params["coord_tokens"])
     config = build_family_config(family, params["preset"], tokenizer)
+    if params.get("vocab"):  # a real checkpoint's embedding rows (Qwen: 151,936) beyond the tokenizer's ids
+        if params["vocab"] < len(tokenizer):
+            raise ValueError(f"--vocab {params['vocab']} < the tokenizer's {len(tokenizer)} ids; give at least that")
+        config.text_config.vocab_size = params["vocab"]
     model = build_model(config, params["seed"], params["dtype"], params.get("init", "hf"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-    image_processor = qwen3.build_image_processor() if family == "qwen3-vl" else build_image_processor()
+    pixels = {"max_pixels": params["max_pixels"]} if params.get("max_pixels") else {}
+    image_processor = qwen3.build_image_processor(**pixels) if family == "qwen3-vl" else build_image_processor(**pixels)
     image_processor.save_pretrained(out)  # preprocessor_config.json
     processor_class = qwen3.PROCESSOR_CLASS if family == "qwen3-vl" else "Qwen2_5_VLProcessor"
     # NOTE: written by hand because Qwen2_5_VLProcessor cannot be instantiated without torchvision
@@ -375,8 +371,9 @@ def _write(out: Path, params: dict) -> dict:
             if params["coord_tokens"]
             else None
         ),
-        "image_processor": qwen3.IMAGE_PROCESSOR_INFO if family == "qwen3-vl" else
-        {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "merge_size": 2},
+        "image_processor": {**(qwen3.IMAGE_PROCESSOR_INFO if family == "qwen3-vl" else
+                               {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "merge_size": 2}),
+                            **pixels},
     }
     (out / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")  # last: marks the build complete
     return info
@@ -392,6 +389,8 @@ def ensure_tiny_model(
     force: bool = False,
     init: str = "hf",
     family: str = "qwen2.5-vl",
+    vocab: int | None = None,
+    max_pixels: int | None = None,
 ) -> Path:
     """The model directory at ``path``, built unless it already holds a build with these parameters.
 
@@ -402,7 +401,7 @@ def ensure_tiny_model(
     if preset not in presets:
         raise ValueError(f"unknown preset {preset!r} for family {family}; choose one of {', '.join(presets)}")
     out = Path(path)
-    params = build_params(preset, seed, coord_tokens, dtype, init, family)
+    params = build_params(preset, seed, coord_tokens, dtype, init, family, vocab, max_pixels)
     build_once(out, marker=BUILD_FILE, is_built=lambda d: _is_built(d, params), write=lambda tmp: _write(tmp, params),
                owner="tools/make_tiny_model.py", force=force)
     return out
@@ -423,12 +422,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--init", choices=["hf", "pool"], default="hf",
                         help="hf: transformers' own initialisation (default); pool: slices of one pool of random "
                              "draws, seconds instead of minutes for 7b (memory and speed work, not learning)")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="embedding rows (default: the tokenizer's, rounded up; 151936: a real Qwen checkpoint's)")
+    parser.add_argument("--max-pixels", type=int, default=None,
+                        help=f"the image processor's max_pixels (default: {MAX_PIXELS}; 1048576 keeps 1024-px images)")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     try:
         out = ensure_tiny_model(
             args.out, preset=args.preset, seed=args.seed, coord_tokens=not args.no_coord_tokens,
-            dtype=args.dtype, force=args.force, init=args.init, family=args.family,
+            dtype=args.dtype, force=args.force, init=args.init, family=args.family, vocab=args.vocab,
+            max_pixels=args.max_pixels,
         )
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -112,7 +112,8 @@ def check_main(sub: str, argv: list[str]) -> int:
         encoder = Encoder(cfg.model.path, cfg.training.global_max_length,
                           image_root=image_root_of(args.jsonl, cfg.data.image_root),
                           check_coord_tokens=cfg.model.coord_tokens,
-                          prompts=Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt, cfg.data.answer_format))
+                          prompts=Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt, cfg.data.answer_format),
+                          min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     report = check_file(args.jsonl, coord_mode=cfg.data.coord_mode, image_root=cfg.data.image_root, encoder=encoder,
                         desc_ce_weight=cfg.stage2_ab.desc_ce_weight)
     print(report.summary())

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 _TOO_LONG_FIX = (
     "raise training.global_max_length (= packing_length), lower rollout_matching.decoding.max_new_tokens, "
-    "or give the processor a smaller max_pixels (fewer image tokens)"
+    "or set a smaller data.max_pixels (fewer image tokens; docs/data.md, Image size)"
 )
 
 
@@ -56,16 +56,20 @@ class Encoder:
     """
 
     def __init__(self, model_path: str | os.PathLike[str], packing_length: int, *, image_root: str | None = None,
-                 check_coord_tokens: bool = True, prompts: Prompts = DEFAULT_PROMPTS) -> None:
+                 check_coord_tokens: bool = True, prompts: Prompts = DEFAULT_PROMPTS, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
         from transformers import AutoConfig  # deferred: heavy import
 
+        from common.image_size import processor_pixels
         from common.processor import load_processor
 
         self.model_path = os.fspath(model_path)
         self.packing_length = int(packing_length)
         self.image_root = image_root
         self.prompts = prompts
-        self.processor = load_processor(self.model_path)
+        self.processor = load_processor(self.model_path, min_pixels=min_pixels, max_pixels=max_pixels)
+        #: What images are resized with (data.min_pixels / data.max_pixels over the model's own); None: no image processor.
+        self.image_pixels = processor_pixels(getattr(self.processor, "image_processor", None))
         self.tokenizer = self.processor.tokenizer
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.coord_ids = require_coord_tokens(self.tokenizer, self.model_path) if check_coord_tokens else None
@@ -133,11 +137,21 @@ class Encoder:
             if self.counters["prompt_mismatch"] > 5 and self.counters["prompt_mismatch"] % 100:
                 return False
             first = next((i for i, (a, b) in enumerate(zip(server_ids, our_ids)) if a != b), min(len(server_ids), len(our_ids)))
+            image_id = getattr(self.processor, "image_token_id", None)
+            theirs = int(np.sum(np.asarray(server_ids, np.int64) == image_id)) if image_id is not None else 0
+            ours = int(np.sum(our_ids == image_id)) if image_id is not None else 0
+            if theirs != ours:
+                pixels = self.image_pixels.as_dict() if self.image_pixels else "the model's own"
+                why = (f"the server's prompt carries {theirs} image tokens, the encoder's {ours} (this process resizes "
+                       f"with {pixels}): the two sides resize images differently. Fix: give the rollout server the same "
+                       "data.min_pixels / data.max_pixels as the actors and the learner (its GET /health "
+                       "engine_info.image_pixels says what it uses)")
+            else:
+                why = "the server and the actor must load the same model.path processor and prompts"
             log.error(
-                "sample %s: the server's prompt (%d ids) differs from the encoder's (%d ids) from position %d; the "
-                "server and the actor must load the same model.path processor (rollout_prefix targets would be wrong; "
-                "%d mismatches so far, logged 5 then every 100th)",
-                sample_id, len(server_ids), len(our_ids), first, self.counters["prompt_mismatch"],
+                "sample %s: the server's prompt (%d ids) differs from the encoder's (%d ids) from position %d; %s "
+                "(rollout_prefix targets would be wrong; %d mismatches so far, logged 5 then every 100th)",
+                sample_id, len(server_ids), len(our_ids), first, why, self.counters["prompt_mismatch"],
             )
         return same
 
@@ -284,7 +298,9 @@ def _meta_rope_model(config: Any) -> Any | None:
 
 
 def encoder_from_config(cfg: Any) -> Encoder:
-    """The Encoder the config describes (model.path, packing_length, data.image_root or the JSONL's folder)."""
+    """The Encoder the config describes (model.path, packing_length, data.image_root or the JSONL's folder,
+    data.min_pixels / data.max_pixels)."""
     root = cfg.data.image_root or str(Path(cfg.data.train_jsonl).resolve().parent)
     return Encoder(cfg.model.path, cfg.training.global_max_length, image_root=root, check_coord_tokens=cfg.model.coord_tokens,
-                   prompts=Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt, cfg.data.answer_format))
+                   prompts=Prompts.of(cfg.data.system_prompt, cfg.data.user_prompt, cfg.data.answer_format),
+                   min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)

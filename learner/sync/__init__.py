@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from learner.sync.base import PushSender, Sent, SyncReport, WeightSender, cast_stream, plan
+from learner.sync.base import AdapterPush, PushSender, Sent, SyncReport, WeightSender, cast_stream, plan
 from learner.sync.control import SyncClient, SyncError, SyncSession
 
-__all__ = ["PushSender", "auto_transport", "Sent", "SyncClient", "SyncError", "SyncReport", "SyncSession", "WeightSender",
+__all__ = ["AdapterPush", "PushSender", "auto_transport", "Sent", "SyncClient", "SyncError", "SyncReport", "SyncSession", "WeightSender",
            "cast_stream", "make_sender", "plan"]
 
 TRANSPORTS = ("auto", "http", "nccl", "ipc")

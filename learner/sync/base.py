@@ -2,10 +2,14 @@
 
 Every sender pushes the learner's weights to one rollout server the same way::
 
-    open      /sync/init: a session with the server's manifest, tied groups and serving dtype
+    open      /sync/init: a session with the server's manifest, tied groups and serving dtype; it declares the
+              names frozen for the run (``skip``) and, for ``model.adapter.sync: adapter``, the adapter
               (a transport may set itself up here: the NCCL sender joins its group)
     plan      names mapped to the manifest, tied weights once, every served name present, shapes checked
-    fingerprint  of the tensors as the server will hold them (its dtype)
+    fingerprint  of the COMPLETE served model as the server will hold it (its dtype): frozen and merged
+              tensors included, whatever travels
+    select    what travels: the planned tensors minus the frozen names the server accepted, and in an
+              adapter session minus the adapted layers' weights plus the adapter's tensors
     prepare   what the transport needs before the fence (e.g. the NCCL packing header)
     begin     /sync/begin: the server's fence closes (in-flight /infer drained or aborted)
     send      the transport moves the bytes (HTTP buckets; NCCL broadcasts)
@@ -39,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from common.protocol import SyncInitResponse
+from common.protocol import AdapterSpec, SyncInitResponse
 from common.tensors import weights as W
 from learner.sync.control import SyncClient, SyncError, SyncSession
 from learner.sync.sharded import BucketGather, ShardedWeights
@@ -66,6 +70,8 @@ class SyncReport:
     aborted: int = 0
     server_update_s: float | None = None  # NCCL path: the server's own time for /sync/update (receive + load)
     server_load: dict | None = None  # NCCL path: how the engine loaded it (SyncBucketResponse.load)
+    skipped_bytes: int = 0  # served bytes (serving dtype) not sent in full: frozen, or merged on the server
+    n_skipped: int = 0  # served tensors not sent in full
 
 
 @dataclass
@@ -78,6 +84,15 @@ class Sent:
     server_load: dict | None = None
 
 
+@dataclass
+class AdapterPush:
+    """An ``adapter`` session's payload: the adapter's shape and its tensors under the wire names of
+    ``rollout_server/engines/adapter_merge.py`` (``<layer>.lora_A.weight`` ...; learner/recipe.py builds both)."""
+
+    spec: AdapterSpec
+    tensors: list[tuple[str, torch.Tensor]]
+
+
 class WeightSender(Protocol):
     """What the learner holds per rollout server: push every served weight and commit, or raise SyncError."""
 
@@ -85,7 +100,8 @@ class WeightSender(Protocol):
     transport: str
 
     def push(self, named_tensors: Named, bucket_bytes: int = 512 << 20, fence: str = "drain",
-             min_ver: int | None = None) -> SyncReport: ...
+             min_ver: int | None = None, *, skip: Iterable[str] = (),
+             adapter: AdapterPush | None = None) -> SyncReport: ...
 
     def close(self) -> None: ...
 
@@ -120,9 +136,33 @@ def plan(info: SyncInitResponse, named_tensors: Named) -> list[tuple[str, torch.
     return [(n, found[n]) for n in specs]
 
 
+def session_dtypes(info: SyncInitResponse) -> dict[str, str]:
+    """Name -> the dtype it travels in: every served name's serving dtype, and an adapter session's tensors'."""
+    return {s.name: s.dtype for s in [*info.manifest, *info.adapter_manifest]}
+
+
+def select(info: SyncInitResponse, planned: list[tuple[str, torch.Tensor]],
+           adapter: AdapterPush | None) -> list[tuple[str, torch.Tensor]]:
+    """What travels this session: the planned tensors minus the frozen names the server accepted
+    (``info.skip``), and in an adapter session minus the adapted layers' weights (the server merges them)
+    plus every adapter tensor of ``info.adapter_manifest`` (SyncError when one is missing or misshapen)."""
+    kept = set(info.skip)
+    if adapter is None:
+        return [(n, t) for n, t in planned if n not in kept]
+    merged = {f"{layer}.weight" for layer in adapter.spec.layers}
+    have = dict(adapter.tensors)
+    wanted = info.adapter_manifest
+    bad = [s.name for s in wanted if s.name not in have or list(have[s.name].shape) != s.shape]
+    if bad or not wanted:
+        raise SyncError("plan", f"the server's adapter manifest does not match the learner's adapter (first: "
+                        f"{bad[0] if bad else 'an empty manifest'!r}); is the server a tandem hf engine of this "
+                        "version?")
+    return [(n, t) for n, t in planned if n not in kept and n not in merged] + [(s.name, have[s.name]) for s in wanted]
+
+
 def cast_stream(info: SyncInitResponse, planned: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor as the server holds it: CPU, contiguous, serving dtype (one at a time)."""
-    dtypes = {s.name: s.dtype for s in info.manifest}
+    dtypes = session_dtypes(info)
     for name, t in planned:
         yield name, t.detach().to(device="cpu", dtype=W.torch_dtype(dtypes[name])).contiguous()
 
@@ -136,6 +176,7 @@ class PushSender(abc.ABC):
     transfer_device: torch.device | None = None
     _sharded: ShardedWeights | None = None  # during a sharded push
     _gathered: BucketGather | None = None  # during a sharded push, once its plan is announced
+    _declared: dict[str, Any] = {}  # during a push: SyncClient.open's skip / adapter (transports' _open pass it on)
 
     def __init__(self, base_url: str, *, auth_token: str | None = None, timeout_s: float = 300.0,
                  client_id: str | None = None, connect_timeout_s: float = 10.0) -> None:
@@ -160,7 +201,7 @@ class PushSender(abc.ABC):
 
     def _open(self, bucket_bytes: int, named: list[tuple[str, torch.Tensor]], deadline: float,
               weight_load: str | None) -> SyncSession:
-        return self.control.open(bucket_bytes)
+        return self.control.open(bucket_bytes, **self._declared)
 
     def _prepare(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], dtypes: dict[str, str],
                  bucket_bytes: int) -> Any:
@@ -193,10 +234,15 @@ class PushSender(abc.ABC):
 
     def push(self, named_tensors: Named, bucket_bytes: int = 512 << 20, fence: str = "drain",
              min_ver: int | None = None, *, on_phase: Callable[[str], None] | None = None,
-             weight_load: str | None = None) -> SyncReport:
-        """Send every served weight and commit (module docstring). Raises :class:`SyncError`; the server then
+             weight_load: str | None = None, skip: Iterable[str] = (),
+             adapter: AdapterPush | None = None) -> SyncReport:
+        """Send the served weights and commit (module docstring). Raises :class:`SyncError`; the server then
         keeps its old weights and ver.
 
+        ``named_tensors``: the complete served model (merged, for an adapter run): what the fingerprint covers.
+        ``skip``: served names frozen for the whole run (equal to the checkpoint the server loaded); those the
+        server accepts are not sent. ``adapter``: an adapter session (the adapter's tensors travel instead of its
+        layers' merged weights). Neither applies to sharded weights (FSDP2 sends every gathered bucket).
         ``min_ver``: the lowest ver the commit may produce (``SyncCommitRequest.min_ver``). ``on_phase(name)``
         is called after ``begin`` (tests use it to freeze the server mid-sync); ``weight_load`` overrides the
         server's NCCL load path for this push (``fast`` | ``native``: benchmarks).
@@ -205,18 +251,29 @@ class PushSender(abc.ABC):
         deadline = t0 + self.timeout_s
         sharded = named_tensors if isinstance(named_tensors, ShardedWeights) else None
         named = list(named_tensors)
+        if sharded is not None and (skip or adapter is not None):
+            raise SyncError("plan", "sharded weights (FSDP2) are pushed whole: no frozen skip, no adapter session")
         self._sharded, self._gathered = sharded, None
+        self._declared = {"skip": sorted(skip), "adapter": adapter.spec if adapter is not None else None}
         try:
             session = self._open(bucket_bytes, named, deadline, weight_load)
         except BaseException:
             self._end_sharded()  # announces "nothing to gather" to the other ranks
             raise
+        finally:
+            self._declared = {}
         try:
             planned = plan(session.info, named)
-            dtypes = {s.name: s.dtype for s in session.info.manifest}
-            # of the tensors as the server will hold them; sharded: sampled from the gathered buckets while sending
+            dtypes = session_dtypes(session.info)
+            # of the complete served model as the server will hold it; sharded: sampled from the gathered buckets
             fp = W.fingerprint(planned, dtypes) if sharded is None else None
-            prepared = self._prepare(session, planned, dtypes, bucket_bytes)
+            sending = select(session.info, planned, adapter) if sharded is None else planned
+            sent_names = {n for n, _ in sending}
+            unsent = [(n, t) for n, t in planned if n not in sent_names]
+            skipped_bytes = sum(t.numel() * W.torch_dtype(dtypes[n]).itemsize for n, t in unsent)
+            if session.info.skip_refused:
+                log.info("%s sends frozen parameters in full: %s", self.base_url, session.info.skip_refused)
+            prepared = self._prepare(session, sending, dtypes, bucket_bytes)
             t1 = time.monotonic()
             begun = session.begin(fence)
             t2 = time.monotonic()
@@ -224,7 +281,7 @@ class PushSender(abc.ABC):
                 on_phase("begun")
             if sharded is not None:
                 self._gathered = BucketGather(sharded, planned, dtypes, bucket_bytes)  # the plan, to every rank
-            sent = self._send(session, planned, prepared, bucket_bytes, deadline)
+            sent = self._send(session, sending, prepared, bucket_bytes, deadline)
             if self._gathered is not None:
                 fp = self._gathered.fingerprint.hexdigest()
             t3 = time.monotonic()
@@ -244,11 +301,14 @@ class PushSender(abc.ABC):
         report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
                             bytes=sent.bytes, n_buckets=sent.n_buckets, fingerprint=done.fingerprint,
                             ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted,
-                            server_update_s=sent.server_update_s, server_load=sent.server_load)
-        log.info("weights synced to %s over %s: ver %d, %d bucket(s), %.1f MB, fence %.3fs wire %.3fs (%.2f GB/s) "
-                 "commit %.3fs, fingerprint %s", self.base_url, self.transport, report.ver, report.n_buckets,
-                 report.bytes / 1e6, report.fence_s, report.wire_s, report.bytes / max(report.wire_s, 1e-9) / 1e9,
-                 report.commit_s, report.fingerprint)
+                            server_update_s=sent.server_update_s, server_load=sent.server_load,
+                            skipped_bytes=skipped_bytes, n_skipped=len(unsent))
+        log.info("weights synced to %s over %s%s: ver %d, %d bucket(s), %.1f MB (%.1f MB of %d served tensor(s) not "
+                 "sent: %s), fence %.3fs wire %.3fs (%.2f GB/s) commit %.3fs, fingerprint %s", self.base_url,
+                 self.transport, f" ({adapter.spec.type} adapter)" if adapter is not None else "", report.ver,
+                 report.n_buckets, report.bytes / 1e6, skipped_bytes / 1e6, len(unsent),
+                 "frozen or merged on the server" if adapter is not None else "frozen", report.fence_s,
+                 report.wire_s, report.bytes / max(report.wire_s, 1e-9) / 1e9, report.commit_s, report.fingerprint)
         return report
 
     def _end_sharded(self) -> None:

@@ -35,6 +35,14 @@ learner agree before the first step). Then, at EVERY step boundary, every rank::
     started:    the snapshot is taken after the broadcast; under FSDP2 every rank all-gathers each weight in turn
                 and rank 0 copies it into its host snapshot (pinned on a CUDA host), then starts the thread
 
+What travels (rank 0, weights not sharded): the served names frozen for the run (``learner/recipe.py``
+``frozen_names``: ``model.freeze`` groups, and under an adapter every base weight it does not adapt) are
+declared at ``/sync/init`` and not sent where the server accepts them; with ``model.adapter.sync: adapter`` the
+adapter's tensors travel instead of its layers' merged weights and the server merges them. The fingerprint
+always covers the complete served model. A commit refused for a fingerprint mismatch after such a push (the
+server's frozen or base copy is not the learner's) makes every later push to that server a full one.
+``sync/bytes`` and ``sync/skipped_bytes`` count what travelled and what did not.
+
 No barrier surrounds the push: every rank trains on while rank 0's thread pushes. A push that
 commits during step s becomes the learner's ver at the boundary before step s + 1 (the first one
 after the push thread has the commit's answer), on every rank at once (the broadcast). The server
@@ -74,7 +82,7 @@ from typing import Any
 import torch
 
 from learner.distributed import Dist
-from learner.sync import WeightSender, make_sender
+from learner.sync import AdapterPush, SyncError, WeightSender, make_sender
 from learner.sync.overlap import ABORT_GRACE_S, BackgroundPush, WeightSnapshot
 from learner.sync.sharded import GatherError, ShardedWeights
 
@@ -142,6 +150,11 @@ class WeightSync:
         self.every = int(cfg.stage2_ab.channel_b.async_.sync_every_steps)
         self.mode = cfg.stage2_ab.channel_b.async_.sync_mode
         self.auth_token = cfg.rollout_server.auth_token
+        adapter = getattr(cfg.model, "adapter", None)
+        self.adapter_sync = adapter is not None and adapter.sync == "adapter"
+        self._frozen: list[str] = []  # rank 0: learner/recipe.py frozen_names, once (frozen for the whole run)
+        self._adapter: AdapterPush | None = None  # rank 0: the last source's adapter shape (its tensors ride along)
+        self._full_push: set[str] = set()  # servers whose copy refused a skip or adapter push: full pushes from now
         self._senders: dict[str, WeightSender] = {}
         self.last_sync_step: int | None = None
         self.counts = {"sync/attempts": 0, "sync/successes": 0, "sync/failures": 0, "sync/deferred": 0}
@@ -238,7 +251,7 @@ class WeightSync:
         if self.dist.is_main:
             self.client_calls += len(self.servers)
             new_ver, ok, metrics = self._push_all(
-                (lambda: self._sharded_source(model)) if sharded else (lambda: named_weights(model)), step, ver)
+                (lambda: self._sharded_source(model)) if sharded else (lambda: self._source(model)), step, ver)
         elif sharded:
             self._follow(model)
         self.dist.barrier(f"weight-sync barrier after rank 0's push (step {step}; rank 0 talks to {self.servers})")
@@ -281,11 +294,33 @@ class WeightSync:
         metrics.update({"sync/in_flight": in_flight, "sync/started": started})
         return SyncResult(ok=outcome == 1, ver=new_ver, metrics=metrics, finished=bool(outcome), weights_step=weights_step)
 
+    def _source(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """Rank 0, weights not sharded: the served weights (merged under an adapter), then, for an adapter sync,
+        the adapter's tensors (:meth:`_split` takes them apart again, after an overlap snapshot copied both)."""
+        from learner.recipe import adapter_push, frozen_names
+
+        inner = unwrap(model)
+        if not self._frozen:
+            self._frozen = frozen_names(inner)
+        served = list(named_weights(model))
+        if not self.adapter_sync:
+            return served
+        self._adapter = adapter_push(inner)
+        return served + self._adapter.tensors
+
+    def _split(self, source: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]],
+                                                                       AdapterPush | None]:
+        """A :meth:`_source` list (or its snapshot) as (served weights, the adapter push or None)."""
+        if self._adapter is None:
+            return source, None
+        n = len(self._adapter.tensors)
+        return source[:-n], AdapterPush(spec=self._adapter.spec, tensors=source[-n:])
+
     def _snapshot(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The overlap push's copy of the weights. FSDP2: every rank gathers each weight in turn and rank 0
         copies it into its host staging tensors (pinned on a CUDA host); else rank 0 copies its own."""
         if not is_sharded(model):
-            return self.snapshot.take(list(named_weights(model))) if self.dist.is_main else []
+            return self.snapshot.take(self._source(model)) if self.dist.is_main else []
         source = self._sharded_source(model)
         tensors: list[tuple[str, torch.Tensor]] = []
         if self.dist.is_main:
@@ -304,18 +339,33 @@ class WeightSync:
         announced and walked to its end (an empty plan for a server not pushed to), so the other ranks'
         :meth:`_follow` sees one plan per server whatever fails. A failed gather is fatal (GatherError).
         """
-        metrics = {"time/sync_fence": 0.0, "time/sync_wire": 0.0, "time/sync_commit": 0.0}
+        metrics = {"time/sync_fence": 0.0, "time/sync_wire": 0.0, "time/sync_commit": 0.0, "sync/bytes": 0.0,
+                   "sync/skipped_bytes": 0.0}
         vers: list[int] = []
         floor = ver + 1  # ver continues from max(server ver, learner/checkpoint ver) + 1; servers converge
         for i, url in enumerate(self.servers):
             t_push = time.monotonic()
             source = tensors()
+            skip: list[str] = []
+            adapter = None
+            if not isinstance(source, ShardedWeights):
+                source, adapter = self._split(list(source))
+                if url in self._full_push:
+                    adapter = None
+                else:
+                    skip = self._frozen
             try:
                 report = self._sender(url).push(source, bucket_bytes=self.bucket_bytes, fence=self.fence,
-                                                min_ver=floor)
+                                                min_ver=floor, skip=skip, adapter=adapter)
             except GatherError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of the sync keeps training alive (module docstring)
+                kept = skip or adapter is not None
+                if kept and isinstance(exc, SyncError) and exc.phase == "commit" and "fingerprint" in str(exc):
+                    self._full_push.add(url)
+                    log.warning("%s refused a push that left its frozen%s weights in place (fingerprint mismatch: "
+                                "its copy is not the learner's); every later push to it sends the full weights",
+                                url, " or base" if adapter else "")
                 for skipped in [source] + [tensors() for _ in self.servers[i + 1:]]:
                     if isinstance(skipped, ShardedWeights):
                         skipped.finish()  # no-op if the push walked it; else an empty plan for the other ranks
@@ -337,6 +387,8 @@ class WeightSync:
             metrics["time/sync_fence"] += report.fence_s
             metrics["time/sync_wire"] += report.wire_s
             metrics["time/sync_commit"] += report.commit_s
+            metrics["sync/bytes"] += report.bytes
+            metrics["sync/skipped_bytes"] += report.skipped_bytes
         if len(set(vers)) > 1:
             log.warning("rollout servers report different vers after one sync: %s; using the highest", dict(zip(self.servers, vers)))
         return max(vers), 1, metrics

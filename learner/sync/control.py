@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from common.protocol import (
     BUCKET_HEADER,
+    AdapterSpec,
     HealthResponse,
     SyncAbortRequest,
     SyncAbortResponse,
@@ -192,16 +193,19 @@ class SyncClient:
                             "Start it with `python -m rollout_server --config ...`") from None
 
     def open(self, bucket_bytes: int = 512 << 20, *, nccl: dict[str, Any] | None = None,
-             weight_load: str | None = None, transport: str | None = None) -> SyncSession:
+             weight_load: str | None = None, transport: str | None = None, skip: list[str] | None = None,
+             adapter: AdapterSpec | None = None) -> SyncSession:
         """``/sync/init``: a session, with the server's manifest (409 if another client holds one).
 
         ``nccl`` (``master_addr``, ``master_port``, ``world_size``, ``rank_offset``) opens an NCCL-transport
         session instead (``learner/sync/nccl.py``); the server joins that group if it is new to it.
         ``weight_load`` (``fast`` | ``native``) overrides the server's NCCL load path for this session.
         ``transport``: ``ipc`` for ``learner/sync/ipc.py`` (default: ``nccl`` with ``nccl``, else ``http``).
+        ``skip``: served names frozen for the run, not to be sent (the server answers which it accepts);
+        ``adapter``: open an ``adapter`` session (the adapter's tensors travel; the server merges them).
         """
         deadline = time.monotonic() + self.timeout_s
         req = SyncInitRequest(client=self.client_id, transport=transport or ("nccl" if nccl else "http"),
                               bucket_bytes=bucket_bytes, timeout_s=self.timeout_s, weight_load=weight_load,
-                              **(nccl or {}))
+                              skip=list(skip or []), adapter=adapter, **(nccl or {}))
         return SyncSession(self, self._call("init", "/sync/init", req, SyncInitResponse, deadline), deadline)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from common.tensors import packed as P
-from learner.sync.base import PushSender, Sent
+from learner.sync.base import PushSender, Sent, session_dtypes
 from learner.sync.control import SyncSession
 
 
@@ -41,7 +41,7 @@ class HttpWeightSender(PushSender):
 
     def _send(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], prepared: object,
               bucket_bytes: int, deadline: float) -> Sent:
-        dtypes = {s.name: s.dtype for s in session.info.manifest}
+        dtypes = session_dtypes(session.info)
         buckets = P.bucket_plan(planned, dtypes, bucket_bytes)
         pos = {name: i for i, (name, _) in enumerate(planned)}
         on_gpu = self._device(planned).type == "cuda"

@@ -22,7 +22,7 @@ import torch
 
 from common.tensors import packed as P
 from common.tensors.shared import SendBuffer
-from learner.sync.base import PushSender, Sent
+from learner.sync.base import PushSender, Sent, session_dtypes
 from learner.sync.control import SyncSession
 
 
@@ -34,7 +34,7 @@ class IpcWeightSender(PushSender):
 
     def _open(self, bucket_bytes: int, named: list[tuple[str, torch.Tensor]], deadline: float,
               weight_load: str | None) -> SyncSession:
-        return self.control.open(bucket_bytes, transport="ipc")
+        return self.control.open(bucket_bytes, transport="ipc", **self._declared)
 
     def _buffer(self, nbytes: int, device: torch.device) -> SendBuffer:
         """The shared buffer, kept between pushes (the server opens the same memory every time)."""
@@ -47,7 +47,7 @@ class IpcWeightSender(PushSender):
 
     def _send(self, session: SyncSession, planned: list[tuple[str, torch.Tensor]], prepared: object,
               bucket_bytes: int, deadline: float) -> Sent:
-        dtypes = {s.name: s.dtype for s in session.info.manifest}
+        dtypes = session_dtypes(session.info)
         buckets = P.bucket_plan(planned, dtypes, bucket_bytes)
         pos = {name: i for i, (name, _) in enumerate(planned)}
         device = self._device(planned)  # sharded: the gather device

@@ -154,7 +154,8 @@ class NcclWeightSender(PushSender):
     def _open_group(self, bucket_bytes: int, device: torch.device, deadline: float,
                     weight_load: str | None) -> SyncSession:
         if self._group is not None:
-            return self.control.open(bucket_bytes, nccl=self._rendezvous, weight_load=weight_load)
+            return self.control.open(bucket_bytes, nccl=self._rendezvous, weight_load=weight_load,
+                                     **self._declared)
         health = self.control.health()
         world = 1 + health.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -164,7 +165,8 @@ class NcclWeightSender(PushSender):
 
         def init() -> None:
             try:
-                box["session"] = self.control.open(bucket_bytes, nccl=rdv, weight_load=weight_load)
+                box["session"] = self.control.open(bucket_bytes, nccl=rdv, weight_load=weight_load,
+                                                   **self._declared)
             except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
                 box["error"] = exc
 
@@ -224,7 +226,14 @@ class NcclWeightSender(PushSender):
         sender = _Broadcaster(self._group, tensors, chunks, deadline, ready, device=self._device(planned),
                               fetch=gathered.get if gathered is not None else None)
         sender.start()
-        update = session.update(header)  # returns once the server received and loaded every chunk
+        try:
+            update = session.update(header)  # returns once the server received and loaded every chunk
+        except BaseException:
+            # The server refused or is gone: stop broadcasting now and wait for the thread, so nothing holds the
+            # group when _failed drops it (a transfer group torn down later, at a random garbage collection while
+            # other collectives run, once aborted a gloo rank: tests/test_sync_fsdp.py's failing push).
+            sender.cancel()
+            raise
         sender.join(deadline)
         return Sent(bytes=header.offsets[-1][1] if header.offsets else 0, n_buckets=len(chunks),
                     server_update_s=update.elapsed_s, server_load=update.load)
@@ -251,10 +260,20 @@ class _Broadcaster(threading.Thread):
         self.group, self.tensors, self.chunks, self.deadline, self.ready = group, tensors, chunks, deadline, ready
         self.device = device if device is not None else tensors[0][0].device
         self.fetch = fetch
-        self.error: BaseException | None = None
+        self.error: str | None = None  # a message, not the exception: its traceback would hold this thread (a cycle)
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop after the chunk in hand (its broadcast is not awaited) and wait for the thread, up to the deadline."""
+        self._cancelled.set()
+        super().join(timeout=max(0.0, self.deadline - time.monotonic()) + 1.0)
+        if self.is_alive():
+            log.warning("the weight broadcast thread is still running after the sync deadline (a stuck collective)")
 
     def _wait(self, done: Callable[[], bool], what: str) -> None:
         while not done():
+            if self._cancelled.is_set():
+                raise SyncError("wire", f"cancelled while waiting for {what}: the push failed on the HTTP side")
             if time.monotonic() > self.deadline:
                 raise TimeoutError(f"{what} not received by the server before the sync deadline")
             time.sleep(0.0002)
@@ -274,6 +293,8 @@ class _Broadcaster(threading.Thread):
             streams = [torch.cuda.Stream(device=device) if cuda else None for _ in range(NUM_BUFFERS)]
             in_flight: list[tuple[torch.Tensor, Callable[[], bool]] | None] = [None] * NUM_BUFFERS
             for k, idx in enumerate(self.chunks):
+                if self._cancelled.is_set():
+                    return  # the gathers not driven here run in ShardedWeights.finish()
                 b = k % NUM_BUFFERS
                 if in_flight[b] is not None:
                     self._wait(in_flight[b][1], f"chunk {k - NUM_BUFFERS}")
@@ -291,14 +312,14 @@ class _Broadcaster(threading.Thread):
                 if item is not None:
                     self._wait(item[1], "the last chunks")
         except BaseException as exc:  # noqa: BLE001 - reported by join()
-            self.error = exc
+            self.error = f"{type(exc).__name__}: {exc}"
 
     def join(self, deadline: float) -> None:  # type: ignore[override]
         super().join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         if self.is_alive():
             raise SyncError("wire", "the NCCL broadcast thread is still running after the sync deadline")
         if self.error is not None:
-            raise SyncError("wire", f"NCCL broadcast failed: {type(self.error).__name__}: {self.error}")
+            raise SyncError("wire", f"NCCL broadcast failed: {self.error}")
 
 
 def _run_with_deadline(fn: Callable[[], Any], timeout_s: float, awaited: str,

@@ -27,16 +27,18 @@ def check_model_dir(path: str) -> str | None:
 
 
 def make_engine(cfg: Any) -> Engine:
-    """The engine ``cfg.rollout_server.engine`` names, constructed but not started."""
+    """The engine ``cfg.rollout_server.engine`` names, constructed but not started; it resizes images with
+    ``data.min_pixels`` / ``data.max_pixels`` as the learner's encoder does (common/image_size.py)."""
     srv = cfg.rollout_server
     path = served_model_path(cfg)
     if srv.engine == "hf":
         from rollout_server.engines.hf import HFEngine
 
         return HFEngine(path, dtype=srv.dtype, device=srv.device, max_batch=srv.hf_max_batch,
-                        max_request_tokens=srv.max_request_tokens)
+                        max_request_tokens=srv.max_request_tokens, min_pixels=cfg.data.min_pixels,
+                        max_pixels=cfg.data.max_pixels)
     if srv.engine == "vllm":
         from rollout_server.engines.vllm.engine import VLLMEngine
 
-        return VLLMEngine(path, srv)
+        return VLLMEngine(path, srv, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     raise EngineUnavailable(f"unknown rollout_server.engine {srv.engine!r}. Fix: use hf or vllm")

@@ -10,6 +10,7 @@ Lifecycle and the calls the fence makes, in order, for one weight sync::
     generate(...)  *                          many, concurrently; cancellable
     ── /sync/begin: admission closed; in-flight drained, or cancelled (fence mode abort) ──
     pause()                                   engine is quiet: no generate() task is running
+    open_session(skip, adapter)               at /sync/init: which frozen names may stay unsent, the adapter's tensors
     stage_bucket(tensors) *                   validate against manifest(), keep a staged copy
     commit(expected_fingerprint) -> bool      atomic swap + cache reset; True = caches reset
       or discard()                            drop the staged copy, old weights stay
@@ -26,8 +27,10 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dataclasses import dataclass, field
+
 from common.images import InputError
-from common.protocol import InferItem, InferOutput, SamplingParams, TensorSpec
+from common.protocol import AdapterSpec, InferItem, InferOutput, SamplingParams, TensorSpec
 
 
 #: A request the engine cannot serve as given (missing image, prompt too long, ...): a 4xx naming
@@ -76,6 +79,15 @@ def check_prompt_lengths(items: Sequence[Any], max_tokens: int, max_model_len: i
     check_token_budget(lens, max_tokens, budget)
 
 
+@dataclass
+class SessionTerms:
+    """What :meth:`Engine.open_session` agreed to (``SyncInitResponse.skip``, ``skip_refused``, ``adapter_manifest``)."""
+
+    skip: list[str] = field(default_factory=list)
+    skip_refused: str | None = None
+    adapter_manifest: list[TensorSpec] = field(default_factory=list)
+
+
 class EngineUnavailable(RuntimeError):
     """The selected engine cannot run here (e.g. vLLM not installed); the message names the fix."""
 
@@ -92,6 +104,11 @@ class Engine(abc.ABC):
     #: Called with the tokens a cancelled generation had produced (the server counts them as generated);
     #: set by the app. An engine that cannot see a cancelled request's partial output (vLLM) does not call it.
     on_cancelled_tokens: Callable[[int], None] | None = None
+    #: Whether the engine merges an adapter pushed by an ``adapter`` session (``SyncInitRequest.adapter``).
+    merges_adapters: bool = False
+    #: Why the engine sends every frozen name a learner declares (``SyncInitRequest.skip``) back as refused, so
+    #: the learner pushes them in full; None: it takes them.
+    skip_refused_reason: str | None = None
 
     def __init__(self, model_path: str) -> None:
         self.model_path = model_path
@@ -100,6 +117,10 @@ class Engine(abc.ABC):
         self._manifest: dict[str, TensorSpec] = {}  # served name -> spec, in the order the learner sends
         self._tied: list[list[str]] = []
         self._alias: dict[str, str] = {}  # tied non-first name -> manifest name
+        # Served names some commit has written since start(): their copy may differ from the loaded checkpoint, so
+        # a learner's claim that its frozen copy equals the server's is not taken for them (open_session).
+        self._written: set[str] = set()
+        self._skip: set[str] = set()  # the open session's accepted SyncInitRequest.skip
 
     def _set_manifest(self, spec: list[TensorSpec], tied: list[list[str]]) -> None:
         """What :meth:`start` learned of the served model (``common.tensors.weights.manifest_of``)."""
@@ -115,6 +136,39 @@ class Engine(abc.ABC):
             raise WeightUpdateError(f"{name!r} is not a parameter of the served model (send HF module names, "
                                     f"e.g. {next(iter(self._manifest), '?')!r})", name)
         return canonical, spec
+
+    def open_session(self, skip: list[str], adapter: AdapterSpec | None) -> SessionTerms:
+        """``/sync/init``'s declarations, before any fence closes. ``skip``: each must be a served name (else
+        :class:`WeightUpdateError`, a 400 naming it); it is accepted unless a commit has written it since the
+        server loaded its weights (then the learner sends it, and :attr:`SessionTerms.skip_refused` says why).
+        The commit then takes the accepted names from the served copy (coverage and fingerprint). ``adapter``:
+        refused here; an engine that merges adapters (:attr:`merges_adapters`) overrides :meth:`_open_adapter`."""
+        accepted, written = [], []
+        for name in skip:
+            canonical, _ = self._spec_of(name)
+            (written if canonical in self._written else accepted).append(canonical)
+        refused = None
+        if skip and self.skip_refused_reason is not None:
+            accepted, refused = [], self.skip_refused_reason
+        elif written:
+            refused = (f"{len(written)} declared frozen parameter(s) were written by an earlier sync since the "
+                       f"server loaded its weights (first: {written[0]!r}), so its copy may not be the checkpoint's: "
+                       "sent in full")
+        manifest = self._open_adapter(adapter) if adapter is not None else []
+        self._skip = set(accepted)
+        return SessionTerms(skip=sorted(self._skip), skip_refused=refused, adapter_manifest=manifest)
+
+    def _open_adapter(self, adapter: AdapterSpec) -> list[TensorSpec]:
+        """The adapter tensors an ``adapter`` session sends (``rollout_server/engines/adapter_merge.py``)."""
+        raise WeightUpdateError(f"the {self.name} engine does not merge adapters pushed alone: set "
+                                "model.adapter.sync: merged (the learner pushes merged full weights), or serve "
+                                "with rollout_server.engine: hf", "adapter")
+
+    def _end_session(self, committed: set[str] | None = None) -> None:
+        """Forget the session's declarations; ``committed``: the names a commit just wrote."""
+        self._skip = set()
+        if committed:
+            self._written |= committed
 
     def collective_backend(self) -> str:
         """Backend of the weight-transfer group this engine joins for ``transport: nccl``."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from common.image_size import processor_pixels
 from common.protocol import InferItem, InferOutput, SamplingParams
 from common.processor import load_processor
 from common.tensors import packed as P
@@ -32,6 +33,7 @@ from common.tensors import weights as W
 from common.tensors.generate import HFGenerator
 from common.tensors.sampling import CancelledGeneration
 from common.tensors.shared import gpu_uuid, open_shared
+from rollout_server.engines.adapter_merge import AdapterMerger, adapter_tensor_specs
 from rollout_server.engines.base import Engine, WeightUpdateError, check_token_budget
 
 log = logging.getLogger(__name__)
@@ -41,16 +43,24 @@ class HFEngine(Engine):
     """The server's hf engine: HFGenerator on one worker thread plus a staged weight update."""
 
     name = "hf"
+    merges_adapters = True
 
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "auto", max_batch: int = 16,
-                 max_request_tokens: int | None = None) -> None:
+                 max_request_tokens: int | None = None, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
         super().__init__(model_path)
         self.max_request_tokens = max_request_tokens
+        self._pixels_cfg = {"min_pixels": min_pixels, "max_pixels": max_pixels}  # data.*; None = the model's own
         self._dtype_cfg, self._device_cfg, self._max_batch = dtype, device, max_batch
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
         self.gen: HFGenerator | None = None
         self._params: dict[str, torch.nn.Parameter] = {}
         self._staged: dict[str, torch.Tensor] = {}
+        # adapter sessions: the merger per adapter shape (kept: it holds the base copies), the open session's
+        # merger and its adapter tensors' specs (rollout_server/engines/adapter_merge.py)
+        self._mergers: dict[str, AdapterMerger] = {}
+        self._merger: AdapterMerger | None = None
+        self._adapter_specs: dict[str, Any] = {}
         # NCCL receive (CUDA only): one thread for the blocking collectives, the group and its key.
         self._nccl_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-nccl")
         self._group: Any = None
@@ -92,13 +102,13 @@ class HFEngine(Engine):
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         t0 = time.monotonic()
+        processor = load_processor(self.model_path, **self._pixels_cfg)  # first: a bad data.*_pixels fails before the weights load
         try:
             model = AutoModelForImageTextToText.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
         except ValueError:  # a text-only checkpoint
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
-        processor = load_processor(self.model_path)
         model.to(device)
         log.info("loaded %s in %.1fs", self.model_path, time.monotonic() - t0)
         return HFGenerator(model, processor, device=device, max_batch=self._max_batch)
@@ -150,36 +160,94 @@ class HFEngine(Engine):
         assert self.gen is not None, "engine not started"
         return W.dtype_name(next(self.gen.model.parameters()).dtype)
 
-    async def stage_bucket(self, tensors: dict[str, Any]) -> int:
-        nbytes = 0
-        for name, t in tensors.items():
+    def _open_adapter(self, adapter: Any) -> list[Any]:
+        """An ``adapter`` session: every layer must be a served linear weight; its base copy is taken the first
+        time this adapter shape is declared, from weights no sync has written (else they are not the base)."""
+        shapes = {}
+        for layer in adapter.layers:
+            try:
+                canonical, spec = self._spec_of(f"{layer}.weight")
+            except WeightUpdateError as exc:
+                raise WeightUpdateError(f"adapter layer {layer!r}: {exc}", "adapter") from None
+            if len(spec.shape) != 2:
+                raise WeightUpdateError(f"adapter layer {layer!r}: {canonical!r} is {spec.shape}, not a linear weight",
+                                        "adapter")
+            shapes[layer] = spec.shape
+        key = adapter.model_dump_json()
+        if key not in self._mergers:
+            written = [f"{layer}.weight" for layer in adapter.layers if f"{layer}.weight" in self._written]
+            if written:
+                raise WeightUpdateError(f"adapter sync: {len(written)} adapted weight(s) were overwritten by an "
+                                        f"earlier sync (first: {written[0]!r}), so the server no longer holds their base. "
+                                        "Fix: restart the rollout server (it reloads the checkpoint), or use "
+                                        "model.adapter.sync: merged", "adapter")
+            assert self.gen is not None, "engine not started"
+            self._mergers[key] = AdapterMerger(adapter, {layer: self._params[f"{layer}.weight"]
+                                                         for layer in adapter.layers})
+            log.info("adapter sync: base copies of %d %s layer(s) (rank %d) kept for server-side merges",
+                     len(adapter.layers), adapter.type, adapter.rank)
+        self._merger = self._mergers[key]
+        specs = adapter_tensor_specs(adapter, shapes)
+        self._adapter_specs = {s.name: s for s in specs}
+        return specs
+
+    def _incoming(self, name: str, dtype: str, shape: list[int]) -> str:
+        """The staging key of one sent tensor, checked: a served name (tied names to their group's first) or,
+        in an adapter session, an adapter tensor; never twice, never an adapted layer's weight (it is merged)."""
+        spec = self._adapter_specs.get(name)
+        canonical = name
+        if spec is None:
             canonical, spec = self._spec_of(name)
-            if canonical in self._staged:
-                raise WeightUpdateError(f"{name!r} sent twice in this session"
-                                        + (f" (tied with {canonical!r})" if canonical != name else ""), name)
-            if list(t.shape) != spec.shape:
-                raise WeightUpdateError(f"{name!r} has shape {list(t.shape)}, the served model has {spec.shape}", name)
-            if W.dtype_name(t.dtype) != spec.dtype:
-                raise WeightUpdateError(f"{name!r} is {W.dtype_name(t.dtype)}, the server serves {spec.dtype}: "
-                                        "cast on the learner before sending", name)
-        for name, t in tensors.items():
-            self._staged[self._alias.get(name, name)] = t
+            if self._merger is not None and canonical.removesuffix(".weight") in self._merger.layers:
+                raise WeightUpdateError(f"{name!r} is an adapted layer's weight: in an adapter sync the server merges "
+                                        "it from the adapter's tensors, send those instead", name)
+        if canonical in self._staged:
+            raise WeightUpdateError(f"{name!r} sent twice in this session"
+                                    + (f" (tied with {canonical!r})" if canonical != name else ""), name)
+        if list(shape) != spec.shape:
+            raise WeightUpdateError(f"{name!r} has shape {list(shape)}, the server expects {spec.shape}", name)
+        if dtype != spec.dtype:
+            raise WeightUpdateError(f"{name!r} is {dtype}, the server expects {spec.dtype}: "
+                                    "cast on the learner before sending", name)
+        return canonical
+
+    async def stage_bucket(self, tensors: dict[str, Any]) -> int:
+        keys = [self._incoming(name, W.dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()]
+        nbytes = 0
+        for key, t in zip(keys, tensors.values()):
+            self._staged[key] = t
             nbytes += t.numel() * t.element_size()
         return nbytes
 
     async def commit(self, expected_fingerprint: str | None = None) -> bool:
-        missing = [n for n in self._manifest if n not in self._staged]
+        staged = dict(self._staged)
+        if self._merger is not None:  # adapter session: the adapted layers' weights merged from their base
+            adapter = {n: staged.pop(n) for n in self._adapter_specs if n in staged}
+            missing = [n for n in self._adapter_specs if n not in adapter]
+            if missing:
+                raise WeightUpdateError(f"{len(missing)} of {len(self._adapter_specs)} adapter tensors were not "
+                                        f"sent (first: {missing[0]!r}); old weights kept")
+            serving = W.torch_dtype(self.serving_dtype())
+            staged.update(await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._merger.merge, adapter, serving))
+        missing = [n for n in self._manifest if n not in staged and n not in self._skip]
         if missing:
-            raise WeightUpdateError(f"{len(missing)} of {len(self._manifest)} parameters were not sent "
-                                    f"(first: {missing[0]!r}); old weights kept")
+            raise WeightUpdateError(f"{len(missing)} of {len(self._manifest)} parameters were not sent and not "
+                                    f"declared frozen (first: {missing[0]!r}); old weights kept")
         if expected_fingerprint is not None:
-            got = W.fingerprint(self._staged.items())
+            # the complete served model as it will be: the sent (or merged) tensors, the frozen ones as held
+            got = W.fingerprint((n, staged[n] if n in staged else self._params[n]) for n in self._manifest)
             if got != expected_fingerprint:
                 raise WeightUpdateError(f"staged weights fingerprint {got} != learner's {expected_fingerprint}; "
                                         "old weights kept", "fingerprint")
-        staged, self._staged = self._staged, {}
+        self._staged = {}
         await asyncio.get_running_loop().run_in_executor(self._pool, self._apply, staged)
+        self._end_session(set(staged))
         return True  # transformers generate keeps no cache across calls: nothing to reset
+
+    def _end_session(self, committed: set[str] | None = None) -> None:
+        super()._end_session(committed)
+        self._merger, self._adapter_specs = None, {}
 
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -188,6 +256,7 @@ class HFEngine(Engine):
 
     async def discard(self) -> None:
         self._staged = {}
+        self._end_session()
 
     # ---------------------------------------------------------------- collective receive (NCCL; gloo on CPU)
 
@@ -246,12 +315,8 @@ class HFEngine(Engine):
         """Receive every tensor ``header`` announces, as packed broadcasts from rank 0, into the staging dict."""
         if self._group is None:
             raise WeightUpdateError("no weight-transfer group: send /sync/init with transport nccl first")
-        for name, dtype, shape in zip(header.names, header.dtypes, header.shapes):
-            canonical = self._alias.get(name, name)
-            spec = self._manifest.get(canonical)
-            if spec is None or list(shape) != spec.shape or dtype != spec.dtype or canonical in self._staged:
-                raise WeightUpdateError(f"{name!r} {dtype} {list(shape)} does not match the served model "
-                                        f"({'a repeat' if canonical in self._staged else spec})", name)
+        keys = [self._incoming(name, dtype, list(shape))
+                for name, dtype, shape in zip(header.names, header.dtypes, header.shapes)]
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         try:
@@ -259,8 +324,8 @@ class HFEngine(Engine):
         except Exception:
             self._drop_group()  # a failed or timed-out collective leaves the communicator unusable
             raise
-        for name, t in received.items():
-            self._staged[self._alias.get(name, name)] = t
+        for key, name in zip(keys, header.names):
+            self._staged[key] = received[name]
         self.last_update_info = {"path": "staged", "worker_s": time.monotonic() - t0}  # swapped in at commit
         return sum(end - begin for begin, end in header.offsets)
 
@@ -300,6 +365,8 @@ class HFEngine(Engine):
         if self.gen is None:
             return {}
         cuda = self.gen.device.type == "cuda"
+        pixels = processor_pixels(getattr(self.gen.processor, "image_processor", None))
         return {"device": str(self.gen.device), "dtype": self.serving_dtype(), "n_tensors": len(self._manifest),
                 "n_params": sum(p.numel() for p in self._params.values()),
-                "gpu_uuids": [gpu_uuid(self.gen.device)] if cuda else []}
+                "gpu_uuids": [gpu_uuid(self.gen.device)] if cuda else [],
+                "image_pixels": pixels.as_dict() if pixels else None}

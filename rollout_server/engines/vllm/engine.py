@@ -22,6 +22,7 @@ Mapping onto vLLM:
   count as one token: vLLM expands them later and checks ``max_model_len`` itself). How items, sampling
   and outputs translate to vLLM's (every sampling field explicit, chat prompts as text plus PIL
   images, logprobs of the sampled token) is :mod:`rollout_server.engines.vllm.convert`.
+* Image size: ``data.min/max_pixels`` as ``mm_processor_kwargs``, as the encoder's (common/image_size.py).
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
   cancelled every request when ``pause()`` runs ``pause_generation(mode="abort", clear_cache=True)``
   (never ``keep``: requests would straddle versions); ``resume()`` runs ``resume_generation``.
@@ -62,6 +63,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from common import image_size
 from common.protocol import InferItem, InferOutput, SamplingParams, SyncBucketHeader, SyncInitRequest, TensorSpec
 from rollout_server.engines.base import (Engine, EngineInputError, EngineUnavailable, WeightUpdateError,
                                          check_token_budget)
@@ -94,12 +96,18 @@ class VLLMEngine(IpcReceiver, Engine):
     #: NCCL and IPC updates load into the served model as chunks arrive: a sync that fails after its
     #: update started cannot keep the old weights (rollout_server.sync marks an error).
     updates_in_place = True
+    #: A learner's frozen parameters are still pushed to vLLM: a partial update through vLLM's layerwise reload and
+    #: the fast loader has not been run on a GPU here. Adapter sessions are refused (Engine._open_adapter).
+    skip_refused_reason = ("the vllm engine takes full pushes only (a partial update is untested on vLLM): "
+                           "frozen parameters are sent")
 
-    def __init__(self, model_path: str, srv: Any) -> None:
+    def __init__(self, model_path: str, srv: Any, *, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
         if not vllm_available():
             raise EngineUnavailable(INSTALL_FIX)
         super().__init__(model_path)
         self.srv = srv
+        self._pixels, self._mm_kwargs = image_size.for_engine(model_path, min_pixels, max_pixels)
         self.max_request_tokens = srv.max_request_tokens
         self.llm: Any = None
         self.tokenizer: Any = None
@@ -138,7 +146,7 @@ class VLLMEngine(IpcReceiver, Engine):
             model=self.model_path, dtype=self._dtype, tensor_parallel_size=srv.tensor_parallel_size,
             gpu_memory_utilization=srv.gpu_memory_utilization, enable_prefix_caching=srv.enable_prefix_caching,
             logprobs_mode="raw_logprobs", limit_mm_per_prompt={"image": MAX_IMAGES_PER_PROMPT}, seed=0,
-            enforce_eager=srv.enforce_eager, load_format=srv.load_format,
+            enforce_eager=srv.enforce_eager, load_format=srv.load_format, mm_processor_kwargs=self._mm_kwargs or None,
             weight_transfer_config=WeightTransferConfig(backend="nccl"), worker_extension_cls=WORKER_EXTENSION,
         )
         if srv.max_model_len:
@@ -435,7 +443,8 @@ class VLLMEngine(IpcReceiver, Engine):
     def health_info(self) -> dict[str, Any]:
         load = self._load_mode if self._fast_refused is None else f"native (fast refused: {self._fast_refused})"
         return {"tensor_parallel_size": self.srv.tensor_parallel_size, "data_parallel_size": self._dp,
-                "dtype": self._dtype, "weight_load": load, "gpu_uuids": self._gpu_uuids}
+                "dtype": self._dtype, "weight_load": load, "gpu_uuids": self._gpu_uuids,
+                "image_pixels": self._pixels.as_dict() if self._pixels else None}
 
 
 __all__ = ["VLLMEngine", "vllm_available", "INSTALL_FIX"]
