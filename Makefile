@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 data: $(STAMP)
-	$(PYTHON) -m common.synthetic --out artifacts/data/synth --n 96 --seed 0
-	$(PYTHON) -m common.synthetic --out artifacts/data/detect --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
+	$(PYTHON) -m common.data.synthetic --out artifacts/data/synth --n 96 --seed 0
+	$(PYTHON) -m common.data.synthetic --out artifacts/data/detect --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
 
 tiny-model: $(STAMP)
 	$(PYTHON) tools/make_tiny_model.py --out artifacts/tiny-model
@@ -57,7 +57,7 @@ bench: $(STAMP) data tiny-model
 	$(PYTHON) bench/bench_soak.py --duration-s 180
 
 docs: $(STAMP)
-	$(PYTHON) -m common.config --markdown > docs/config.md
+	$(PYTHON) -m common.config.docs --markdown > docs/config.md
 
 plot: $(STAMP)
 	$(PYTHON) -m launcher.plot $(RUN)

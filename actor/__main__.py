@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from common import cli
+from common.runs import cli
 
 
 def main(argv: list[str] | None = None) -> int:

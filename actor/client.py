@@ -43,7 +43,8 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from common.protocol import SCHEMA_VERSION, HealthResponse, InferItem, InferOutput, InferRequest, InferResponse, SamplingParams
+from common.wire.codec import SCHEMA_VERSION
+from common.wire.http import HealthResponse, InferItem, InferOutput, InferRequest, InferResponse, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -202,9 +203,9 @@ class RolloutClient:
 
     def image_pixels_mismatch(self, ours: Any, timeout_s: float = 5.0) -> str | None:
         """The start check of the image size: why a server that answers ``/health`` resizes images otherwise than
-        ``ours`` (the encoder's ``common.image_size.ImagePixels``); None when every server that answers resizes
+        ``ours`` (the encoder's ``common.data.image_size.ImagePixels``); None when every server that answers resizes
         alike. One not serving yet is left to the per-prompt check (``Encoder.check_server_prompt``)."""
-        from common.image_size import mismatch
+        from common.data.image_size import mismatch
 
         for url in self.servers:
             try:

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from common.wire import Credits
+from common.wire.codec import Credits
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
                               counted stale_dropped               learner rank r's PULL; ledger line {seq, ver, keys}
     CreditSubscriber (SUB, connect) ◄── learner rank r's PUB: the newest credits → CreditGate
 
-The learner binds both endpoints (``common.transport``), so either side may start first. Each wait and
+The learner binds both endpoints (``common.wire.transport``), so either side may start first. Each wait and
 what unblocks it:
   - first credits (:meth:`LearnerLink.wait_first`): deadline ``actor.learner_wait_timeout_s`` ← the
     rank publishing; on timeout the error names the endpoint and the learner command.
@@ -49,9 +49,9 @@ from typing import Any
 from actor.credits import CreditGate
 from actor.pipeline import Sample
 from actor.stream import PackLedger
-from common.segment import Pack
-from common.transport import CreditSubscriber, PackSender, TransportTimeout, credit_endpoint, pack_endpoint
-from common.wire import Credits, pack_to_frames
+from common.packing.segment import Pack
+from common.wire.transport import CreditSubscriber, PackSender, TransportTimeout, credit_endpoint, pack_endpoint
+from common.wire.codec import Credits, pack_to_frames
 
 log = logging.getLogger(__name__)
 

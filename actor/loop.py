@@ -62,11 +62,11 @@ from actor.credits import CreditGate
 from actor.learner_link import LearnerLink
 from actor.pipeline import BatchMetrics, Pipeline, Sample
 from actor.stream import SampleStream
-from common.checkpoints import read_b_ledger, resolve_resume_checkpoint
-from common.dataset.check import BadRecords
-from common.packing import Packer
-from common.segment import Pack, Segment
-from common.transport import CreditSubscriber, PackSender
+from common.runs.checkpoints import read_b_ledger, resolve_resume_checkpoint
+from common.data.check import BadRecords
+from common.packing.packer import Packer
+from common.packing.segment import Pack, Segment
+from common.wire.transport import CreditSubscriber, PackSender
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class ActorLoop:
         self.actor_id = f"actor-r{rank}-{index}"
         a = cfg.actor
         if encoder is None:
-            from common.tensors.encode import encoder_from_config
+            from common.packing.encode import encoder_from_config
 
             encoder = encoder_from_config(cfg)
         if client is None:
@@ -380,7 +380,7 @@ class ActorLoop:
             "actor/tokens_sent": self.c["tokens_sent"],
             "actor/underfilled_packs": int(pc["underfilled_packs"]),
             "actor/flushed_packs": int(pc["flushed_packs"]),
-            # empty room of the packs built, by why they left (common/packing.py): min fill, max wait, ver flush
+            # empty room of the packs built, by why they left (common/packing/packer.py): min fill, max wait, ver flush
             "actor/fill_lost_ready_tokens": int(pc["fill_lost_ready_tokens"]),
             "actor/fill_lost_wait_tokens": int(pc["fill_lost_wait_tokens"]),
             "actor/fill_lost_flush_tokens": int(pc["fill_lost_flush_tokens"]),

@@ -30,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from common.assistant_json import Record, canonical_order, load_record
-from common.matching import hungarian_match, precision_recall_f1
-from common.parsing import DROP_REASONS, parse_rollout
-from common.protocol import SamplingParams
-from common.segment import Segment
-from common.targets import TargetError, TargetSpec, reordered_gt_target, rollout_prefix_target
+from common.data.records import Record, load_record
+from common.detection.answer import canonical_order
+from common.detection.matching import hungarian_match, precision_recall_f1
+from common.detection.parsing import DROP_REASONS, parse_rollout
+from common.wire.http import SamplingParams
+from common.packing.segment import Segment
+from common.detection.targets import TargetError, TargetSpec, reordered_gt_target, rollout_prefix_target
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class Pipeline:
         parse = parse_rollout(rollout.token_ids, self.tokenizer, coord_ids=self.coord_ids,
                               answer_format=self.encoder.prompts.answer_format)
         t1 = time.perf_counter()
-        gt = canonical_order(sample.record.objects)  # FN are appended in this order (common/targets.py)
+        gt = canonical_order(sample.record.objects)  # FN are appended in this order (common/detection/targets.py)
         pred_boxes = np.array([o.bins for o in parse.valid_objects], dtype=np.float64).reshape(-1, 4)
         gt_boxes = np.array([o.bins for o in gt], dtype=np.float64).reshape(-1, 4)
         m = self.matching

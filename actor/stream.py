@@ -11,7 +11,7 @@ independent of the learner's Channel-A sampler (which uses its own seed path).
 
 Keys: every item carries ``key = "<sample_id>@<epoch>"``. The key is the Channel-B segment's
 ``sample_id``, so it is what the learner writes to its checkpoint's B ledger
-(``common/checkpoints.py`` names the file and reads it back).
+(``common/runs/checkpoints.py`` names the file and reads it back).
 On resume the stream walks its deterministic order from the start and skips exactly the keys in
 that ledger: nothing trained is trained again, and anything produced but not trained (still
 queued, dropped stale, lost with the learner) is produced again.

@@ -8,7 +8,7 @@ What is timed (one process, one thread, pinned by the OS to one core at a time):
     and the model's rope index — on *synthetic responses*: each sample's serialised GT with
     perturbations (box jitter, dropped objects, false positives, shuffled order, and a share of
     truncated or garbage answers), so no generation happens;
-  - packing of the resulting segments (``common/packing.py``) and pack encoding for the wire;
+  - packing of the resulting segments (``common/packing/packer.py``) and pack encoding for the wire;
   - ``hungarian_match`` alone for 10 / 50 / 100 objects (median over repeats).
 
 Inputs: the tiny model (``make tiny-model``) and the synthetic data (``make data``); both are
@@ -33,8 +33,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.assistant_json import IM_END, GTObject, canonical_order, serialize_objects  # noqa: E402
-from common.matching import hungarian_match  # noqa: E402
+from common.detection.answer import IM_END, canonical_order, serialize_objects  # noqa: E402
+from common.data.records import GTObject  # noqa: E402
+from common.detection.matching import hungarian_match  # noqa: E402
 
 
 def perturb(rng: np.random.Generator, objects: list[GTObject]) -> list[GTObject]:
@@ -74,11 +75,11 @@ def synthetic_responses(pipeline, samples, seed: int = 0) -> list[list[int]]:
 
 
 def bench_pipeline(cfg, n_samples: int, target: str) -> dict:
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
     from actor.pipeline import Pipeline, Rollout
     from actor.stream import SampleStream
-    from common.packing import Packer
-    from common.wire import pack_to_frames
+    from common.packing.packer import Packer
+    from common.wire.codec import pack_to_frames
 
     encoder = encoder_from_config(cfg)
     pipeline = Pipeline(cfg, encoder)
@@ -145,8 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    from common.config import load_config
-    from common.synthetic import ensure_synthetic_data
+    from common.config.load import load_config
+    from common.data.synthetic import ensure_synthetic_data
     from tools.make_tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(ROOT / "artifacts" / "tiny-model")

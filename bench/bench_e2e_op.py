@@ -11,7 +11,8 @@ engine, the actors, the torchrun learner), on
 - a model directory of the preset's shapes (``tools/make_tiny_model.py --init pool``: random weights,
   seconds even for 7b), its embedding widened to ``--vocab`` rows (151,936: a real Qwen checkpoint's) and
   its image processor taking ``--side``² pixels whole, as a real checkpoint's does;
-- ``--n`` synthetic records (common/synthetic.py) of ``--side`` px with 1..``--max-objects`` shapes, or the
+  or the model directory ``--model`` (your checkpoint, as it is);
+- ``--n`` synthetic records (common/data/synthetic.py) of ``--side`` px with 1..``--max-objects`` shapes, or the
   JSONL folder ``--data`` (``train.jsonl``; made beforehand, e.g. on a CPU box, and carried).
 
 The run has no validation set (``data.val_jsonl=null``: a random model's greedy answers run to
@@ -48,16 +49,22 @@ FIELDS = ("steps", "steps_a", "steps_b", "syncs", "ver_final", "busy_fraction", 
 
 def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     """The model directory and the training JSONL (both built once: a second call with the same settings reuses them)."""
-    from common.synthetic import generate
+    from common.data.synthetic import generate
     from tools.make_tiny_model import ensure_tiny_model
 
-    model = ensure_tiny_model(work / f"model-{args.family}-{args.preset}-v{args.vocab or 0}-{args.side}",
-                              preset=args.preset, family=args.family, init="pool" if args.preset != "tiny" else "hf",
-                              vocab=args.vocab or None, max_pixels=args.side * args.side)
+    if args.model:  # the user's own checkpoint (its processor decides the image size)
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"--model {args.model}: no config.json there (an HF model directory is expected)")
+    else:
+        model = ensure_tiny_model(work / f"model-{args.family}-{args.preset}-v{args.vocab or 0}-{args.side}",
+                                  preset=args.preset, family=args.family,
+                                  init="pool" if args.preset != "tiny" else "hf", vocab=args.vocab or None,
+                                  max_pixels=args.side * args.side)
     if args.data:
         train = Path(args.data) / "train.jsonl"
         if not train.is_file():
-            raise SystemExit(f"--data {args.data}: no train.jsonl there (make it with python -m common.synthetic "
+            raise SystemExit(f"--data {args.data}: no train.jsonl there (make it with python -m common.data.synthetic "
                              f"--sides {args.side} --max-objects {args.max_objects} --out DIR)")
     else:
         train = generate(work / f"data-{args.side}-{args.max_objects}-{args.n}", sides=[args.side],
@@ -97,8 +104,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         raise SystemExit(f"the run left no {summary_path} (launcher exit {rc}, {wall:.0f}s); the launcher's "
                          f"output ends:\n{tail}")
     summary = json.loads(summary_path.read_text())
-    return {"bench": "e2e_op", "config": args.config, "preset": args.preset, "family": args.family,
-            "vocab": args.vocab or None, "side": args.side, "max_objects": args.max_objects, "device": device_name(),
+    rows = json.loads((model / "config.json").read_text()).get("text_config", {}).get("vocab_size")
+    return {"bench": "e2e_op", "config": args.config, "model": str(model) if args.model else None,
+            "preset": None if args.model else args.preset, "family": args.family, "vocab": rows, "side": args.side, "max_objects": args.max_objects, "device": device_name(),
             "launcher_rc": rc, "wall_s": round(wall, 1), "inputs_built_s": round(built_s, 1),
             "overrides": overrides, **{k: summary.get(k) for k in FIELDS}}
 
@@ -114,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-objects", type=int, default=40)
     ap.add_argument("--n", type=int, default=64, help="synthetic training records")
     ap.add_argument("--data", default=None, help="a folder with train.jsonl (and its images) instead of --n records")
+    ap.add_argument("--model", default=None,
+                    help="an HF model directory (your checkpoint) instead of the preset's random weights "
+                         "(--preset, --family, --vocab are then ignored)")
     ap.add_argument("--steps", type=int, default=24, help="training.max_steps")
     ap.add_argument("--work", default="/tmp/tandem-e2e-op", help="model, data, run and launcher output")
     ap.add_argument("--deadline-s", type=float, default=1500.0, help="the launcher is killed after this")

@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 def feeder(queue, pool, stop: threading.Event, interval_s: float, prefix: str) -> None:
     """Keep the queue at its target (interval 0) or add one pack per ``interval_s``."""
-    from common.segment import Pack
-    from common.wire import pack_to_frames
+    from common.packing.segment import Pack
+    from common.wire.codec import pack_to_frames
 
     n = 0
     while not stop.is_set():
@@ -63,8 +63,9 @@ def feeder(queue, pool, stop: threading.Event, interval_s: float, prefix: str) -
 
 def encoded_segments(encoder, data_dir: Path, n: int) -> list:
     """``n`` teacher-forced segments of the synthetic records (GT targets; the shape of a B segment)."""
-    from common.assistant_json import canonical_order, load_record
-    from common.targets import channel_a_target
+    from common.detection.answer import canonical_order
+    from common.data.records import load_record
+    from common.detection.targets import channel_a_target
 
     out = []
     for line in (data_dir / "train.jsonl").read_text().splitlines():
@@ -141,11 +142,11 @@ def main() -> int:
 
     import torch
 
-    from common.config import load_config
+    from common.config.load import load_config
     from learner.distributed import Dist
     from learner.pack_queue import ReadyQueue
     from learner.rank import Learner
-    from common.synthetic import ensure_synthetic_data
+    from common.data.synthetic import ensure_synthetic_data
     from tools.make_tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(ROOT / "artifacts" / "tiny-model")

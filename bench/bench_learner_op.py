@@ -9,7 +9,7 @@ launches and where the step goes (issue 31).
 Everything is generated here (GPU machines start bare and offline): the preset's config with ``--vocab``
 embedding rows, the tokenizer and a processor capped at ``--side``² pixels (tools/make_tiny_model.py),
 random bf16 weights made on the device, synthetic ``--side`` px images with 1..``--max-objects`` shapes
-(common/synthetic.py). The step is the project's own: ``Encoder`` segments (untimed, the actors' work) →
+(common/data/synthetic.py). The step is the project's own: ``Encoder`` segments (untimed, the actors' work) →
 ``Packer`` packs of up to ``--packing-length`` tokens → timed: ``pack_inputs`` → ``forward_rows`` → ``pack_loss``
 (or ``forward_loss`` with ``training.loss_head``) → backward → ``clip_and_step`` (fused AdamW), gradient
 checkpointing on, one pack per step. Every row trains on the same packs on the same model.
@@ -52,7 +52,7 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 
 def render_one(job: tuple[str, int, int, int]) -> dict:
     """One synthetic record (PNG written under ``root/images``): a process-pool job."""
-    from common.synthetic import render_record
+    from common.data.synthetic import render_record
 
     root, index, side, max_objects = job
     image, record = render_record(31, index, sides=(side,), max_objects=max_objects)
@@ -88,10 +88,11 @@ def model_dir(root: Path, preset: str, vocab: int | None, side: int) -> Path:
 
 def make_packs(path: Path, records: list[dict], packing_length: int) -> list:
     """Channel-A segments of ``records`` packed as the actors pack (90 % fill or better)."""
-    from common.assistant_json import canonical_order, load_record
-    from common.packing import Packer
-    from common.targets import channel_a_target
-    from common.tensors.encode import Encoder
+    from common.detection.answer import canonical_order
+    from common.data.records import load_record
+    from common.packing.packer import Packer
+    from common.detection.targets import channel_a_target
+    from common.packing.encode import Encoder
 
     encoder = Encoder(path, packing_length, image_root=str(path))
     packer = Packer(packing_length, min_fill_ratio=0.9, max_wait_s=1e9, clock=lambda: 0.0)
@@ -350,7 +351,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from common.tokens import require_coord_tokens
+    from common.detection.coord_tokens import require_coord_tokens
     from learner.model import build_optimizer
     from learner.throughput import matmul_tflops, non_embedding_lm_params
 

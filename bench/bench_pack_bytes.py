@@ -3,12 +3,12 @@
     python bench/bench_pack_bytes.py              # 1024-px images, up to 40 objects, packing 12000 (issue 31)
     python bench/bench_pack_bytes.py --quick      # make test: 224-px images, packing 2048, a few seconds
 
-Encodes synthetic records (``common.synthetic``: one ``side × side`` image each) into Channel-A segments with
-the tiny model's :class:`~common.tensors.encode.Encoder`, its image processor set to Qwen2.5-VL's pixel budget
+Encodes synthetic records (``common.data.synthetic``: one ``side × side`` image each) into Channel-A segments with
+the tiny model's :class:`~common.packing.encode.Encoder`, its image processor set to Qwen2.5-VL's pixel budget
 (3,136 .. 12,845,056 pixels, patch 14, merge 2: a 1024-px image is 74 × 74 patches, 1,369 tokens). The answers
 are tokenised by the tiny tokenizer (its desc text is shorter than Qwen's BPE, which only makes the pixel
 share of the pack larger). Segments fill one pack first-fit up to ``--packing-length``; the pack is framed as
-the actor frames it (``common.wire.pack_to_frames``, schema 2) and, for the before figure, with the same arrays
+the actor frames it (``common.wire.codec.pack_to_frames``, schema 2) and, for the before figure, with the same arrays
 but ``pixel_values`` as the processor's float32 and no ``pixel_affine`` (the schema-1 layout, through the same
 ``encode_pack_message``). Bytes = the sum of the frame lengths, header included. Also checks that the learner's
 decoded pixels (``pixel_floats``) equal the processor's floats. Prints one JSON line.
@@ -33,11 +33,12 @@ def build_pack(side: int, packing_length: int, max_objects: int, n_records: int,
     """(the pack, the processor's float pixel_values of its images in pack order)."""
     import numpy as np
 
-    from common.assistant_json import canonical_order, iter_jsonl
-    from common.segment import Pack
-    from common.synthetic import generate
-    from common.targets import channel_a_target
-    from common.tensors.encode import Encoder
+    from common.detection.answer import canonical_order
+    from common.data.records import iter_jsonl
+    from common.packing.segment import Pack
+    from common.data.synthetic import generate
+    from common.detection.targets import channel_a_target
+    from common.packing.encode import Encoder
     from tools.make_tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(REPO / "artifacts" / "tiny-model")
@@ -67,8 +68,8 @@ def build_pack(side: int, packing_length: int, max_objects: int, n_records: int,
 def measure(side: int, packing_length: int, max_objects: int, n_records: int) -> dict:
     import numpy as np
 
-    from common.segment import pixel_floats
-    from common.wire import encode_pack_message, frames_to_pack, pack_to_frames
+    from common.packing.segment import pixel_floats
+    from common.wire.codec import encode_pack_message, frames_to_pack, pack_to_frames
 
     with tempfile.TemporaryDirectory() as tmp:
         pack, floats = build_pack(side, packing_length, max_objects, n_records, Path(tmp))

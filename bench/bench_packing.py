@@ -3,7 +3,7 @@
     python bench/bench_packing.py [--segments 20000] [--json out.json]
     python bench/bench_packing.py --quick      # make test: 3000 segments per run, a few seconds
 
-Feeds the real ``common.packing.Packer`` (no sockets, a fake clock) synthetic segment streams and
+Feeds the real ``common.packing.packer.Packer`` (no sockets, a fake clock) synthetic segment streams and
 counts what leaves. A stream: lengths drawn from one mix (lengths above ``packing_length`` are
 redrawn: the actor would drop them as too long), arriving in batches of ``--batch`` segments (decode
 batch x rollouts in flight) at ``rate`` segments/s of fake time, the ver advancing every ``ver_every``
@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from common.packing import Packer  # noqa: E402
-from common.segment import Pack, Segment  # noqa: E402
+from common.packing.packer import Packer  # noqa: E402
+from common.packing.segment import Pack, Segment  # noqa: E402
 
 MIXES = ("detection", "bimodal", "longtail")
 POLICIES = ("tandem", "greedy", "first-fit", "no-ver")

@@ -28,7 +28,7 @@ streams all derive from it), so seed s of one arm and seed s of another differ o
 the mean over seeds of the final F1 and of the mean F1 after the start, with a 95 % Student-t interval;
 per arm against the first arm: the mean of the per-seed differences and its t-interval (paired by
 seed). Within one run, each evaluation's own interval is the bootstrap over images
-(``eval/f1_ci_low``/``high``, common/eval_stats.py). ``--val-images N`` evaluates N images: a
+(``eval/f1_ci_low``/``high``, common/evaluation/stats.py). ``--val-images N`` evaluates N images: a
 validation set of that size is generated beside the training data from its ``manifest.json``
 (the same generator, seed and shapes; the records after the training ones, so the config's own val
 images are its first ones), and ``training.eval_max_images`` is set to N. The plot shows per arm the
@@ -51,7 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.eval_stats import paired_t_difference, t_interval  # noqa: E402
+from common.evaluation.stats import paired_t_difference, t_interval  # noqa: E402
 from launcher.summary import read_split  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
@@ -92,14 +92,14 @@ def run_arm(name: str, args: argparse.Namespace, overrides: list[str], seed: int
 def larger_val_set(cfg_path: str, overrides: list[str], n_images: int) -> Path:
     """A validation JSONL of ``n_images`` from the training data's generator (module docstring): built once
     beside the training data, reused by later calls. ValueError when the training data has no synthetic manifest."""
-    from common.config import load_config
-    from common.synthetic import MANIFEST, generate
+    from common.config.load import load_config
+    from common.data.synthetic import MANIFEST, generate
 
     train = Path(load_config(cfg_path, [o for o in overrides if "=" in o]).data.train_jsonl)
     try:
         params = json.loads((train.parent / MANIFEST).read_text())["params"]
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"--val-images needs synthetic training data (common/synthetic.py's {MANIFEST} beside "
+        raise ValueError(f"--val-images needs synthetic training data (common/data/synthetic.py's {MANIFEST} beside "
                          f"{train}): {exc}. Otherwise pass data.val_jsonl=<a JSONL with >= {n_images} records>"
                          ) from exc
     out = train.parent.with_name(f"{train.parent.name}-val{n_images}")
@@ -119,7 +119,7 @@ def per_run_values(run: dict[str, Any]) -> dict[str, float | None]:
 
 def statistics_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm: the t-interval over seeds of :data:`STAT_KEYS`; per arm after the first: the paired
-    difference to the first arm over the seeds both ran (common/eval_stats.py)."""
+    difference to the first arm over the seeds both ran (common/evaluation/stats.py)."""
     arms = list(dict.fromkeys(r["arm"] for r in runs))
     values = {a: {r["seed"]: per_run_values(r) for r in runs if r["arm"] == a} for a in arms}
     out: dict[str, Any] = {"per_arm": {}, "vs_" + arms[0]: {}} if arms else {"per_arm": {}}

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from common.protocol import InferResponse  # noqa: E402
+from common.wire.http import InferResponse  # noqa: E402
 
 SHAPES = [  # (batch items, concurrent clients, images per item)
     (1, 1, 0),
@@ -125,7 +125,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from common.synthetic import ensure_synthetic_data
+    from common.data.synthetic import ensure_synthetic_data
     from tests.ports import free_port_block
     from tools.make_tiny_model import ensure_tiny_model
 

@@ -50,7 +50,7 @@ LEARNER_MARGIN_S = 30.0  # a real learner trains this much longer than the sampl
 
 
 def overrides(out: Path, base_port: int, args: argparse.Namespace) -> list[str]:
-    from common.synthetic import ensure_synthetic_data
+    from common.data.synthetic import ensure_synthetic_data
     from tools.make_tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(ROOT / "artifacts" / "tiny-model")
@@ -71,7 +71,7 @@ def overrides(out: Path, base_port: int, args: argparse.Namespace) -> list[str]:
 
 
 def load(argv_overrides: list[str]):
-    from common.config import load_config
+    from common.config.load import load_config
 
     return load_config(ROOT / "configs" / "demo_cpu.yaml", argv_overrides, world_size=1)
 
@@ -83,7 +83,8 @@ class InstantClient:
     """A rollout server that answers at once: one object per sample, under the ver the actor asks for."""
 
     def __init__(self, tokenizer) -> None:
-        from common.assistant_json import IM_END, GTObject, serialize_objects
+        from common.detection.answer import IM_END, serialize_objects
+        from common.data.records import GTObject
 
         self.ids = tokenizer.encode(serialize_objects([GTObject("red circle", (10, 20, 300, 400))]) + IM_END,
                                     add_special_tokens=False)
@@ -96,7 +97,7 @@ class InstantClient:
 
 def role_actor(cfg) -> int:
     from actor.loop import ActorLoop
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
 
     encoder = encoder_from_config(cfg)
     return ActorLoop(cfg, 0, 0, encoder=encoder, client=InstantClient(encoder.tokenizer), config_path="soak").run()
@@ -106,12 +107,13 @@ def role_flood(cfg, hz: float) -> int:
     """Packs of real encoded segments at ``hz`` with fresh ids, ignoring credits (a misbehaving peer)."""
     from dataclasses import replace
 
-    from common.assistant_json import canonical_order, load_record
-    from common.segment import Pack
-    from common.targets import channel_a_target
-    from common.tensors.encode import encoder_from_config
-    from common.transport import PackSender, pack_endpoint
-    from common.wire import pack_to_frames
+    from common.detection.answer import canonical_order
+    from common.data.records import load_record
+    from common.packing.segment import Pack
+    from common.detection.targets import channel_a_target
+    from common.packing.encode import encoder_from_config
+    from common.wire.transport import PackSender, pack_endpoint
+    from common.wire.codec import pack_to_frames
 
     enc = encoder_from_config(cfg)
     pool = []
@@ -139,7 +141,7 @@ def role_flood(cfg, hz: float) -> int:
 
 def role_queue(cfg, step_s: float, result: Path) -> int:
     """The learner rank's receive path alone: ReadyQueue + sockets, GA packs consumed every ``step_s``, until SIGTERM."""
-    from common.transport import CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
+    from common.wire.transport import CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
     from learner.pack_queue import ReadyQueue
 
     t, a = cfg.transport, cfg.stage2_ab.channel_b.async_

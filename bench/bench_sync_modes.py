@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 def worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from common.config import load_config
+    from common.config.load import load_config
     from learner.distributed import Dist
     from learner.pack_queue import ReadyQueue
     from learner.rank import Learner
@@ -134,7 +134,7 @@ def main() -> int:
 
     import yaml
 
-    from common.synthetic import ensure_synthetic_data
+    from common.data.synthetic import ensure_synthetic_data
     from tests.ports import free_port_block
     from tests.server_proc import rollout_server_process
     from tools.make_tiny_model import ensure_tiny_model

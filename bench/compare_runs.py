@@ -6,7 +6,7 @@ the time spent waiting for rollouts, B steps and the Channel-B samples and token
 B samples per second of training time. Ratios are taken against the first run given. Where the runs
 evaluated (``"record": "eval"``): the last evaluation's val F1 with its 95 % bootstrap interval over
 images, and, against the first run, the paired-bootstrap difference of the last evaluations when both
-scored as many images (``eval/image_counts``; common/eval_stats.py; pairing assumes the same
+scored as many images (``eval/image_counts``; common/evaluation/stats.py; pairing assumes the same
 validation set, in the same order, which the runs' ``data.val_jsonl`` must ensure): one run each, so this is the
 evaluation noise only, not the seed-to-seed spread (bench/bench_quality.py --seeds measures that).
 
@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.eval_stats import ImageCounts, paired_f1_difference  # noqa: E402
+from common.evaluation.stats import ImageCounts, paired_f1_difference  # noqa: E402
 from launcher.summary import K, read_split  # noqa: E402
 
 

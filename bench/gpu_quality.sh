@@ -75,7 +75,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = warm ]; then
   ts "base model: 0.5b preset -> $BASE"
   python3 tools/make_tiny_model.py --preset 0.5b --out "$BASE"
   ts "data -> $DATA"
-  python3 -m common.synthetic --out "$DATA" --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
+  python3 -m common.data.synthetic --out "$DATA" --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
   ts "warm start: $WS_STEPS steps of $WS_BATCH, lr $WS_LR -> $DET"
   python3 -m learner.warm_start --config configs/warm_start_cpu.yaml --out "$DET" \
       model.path="$BASE" model.dtype=bfloat16 training.lr="$WS_LR" training.max_steps="$WS_STEPS" \

@@ -93,7 +93,7 @@ setup() {
   mkdir -p .make && touch .make/installed   # make test-gpu: the image already has the deps (no index there)
   step models 180 bash -c 'python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
     python3 tools/make_tiny_model.py --preset 0.5b --out /tmp/tandem-models/0.5b &&
-    python3 -m common.synthetic --out /tmp/tandem-data/synth --n 96 --seed 0'
+    python3 -m common.data.synthetic --out /tmp/tandem-data/synth --n 96 --seed 0'
 }
 
 # ---------------------------------------------------------------------------------------- X parts
@@ -111,7 +111,7 @@ setup_x() {  # what every X part needs; models and data only where missing (a wa
     step models 200 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
       python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b &&
       python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b &&
-      python3 -m common.synthetic --out $DATA --n 96 --seed 0"
+      python3 -m common.data.synthetic --out $DATA --n 96 --seed 0"
   fi
 }
 
@@ -120,7 +120,7 @@ setup_z() {  # 1 GPU: the tiny model (GPU tests), the 0.5b preset and the data, 
   [ -f artifacts/tiny-model/tandem_build.json ] && [ -f $MODELS/0.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] ||
     step models 150 bash -c "nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv;
       python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
-      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b && python3 -m common.synthetic --out $DATA --n 96 --seed 0"
+      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b && python3 -m common.data.synthetic --out $DATA --n 96 --seed 0"
 }
 
 quality_setup() {  # the quality parts' inputs: the tiny detector (carried in .gpu-carry: make tiny-detector) and its
@@ -128,7 +128,7 @@ quality_setup() {  # the quality parts' inputs: the tiny detector (carried in .g
   mkdir -p .make && touch .make/installed
   step env 30 bash -c 'nvidia-smi --query-gpu=index,memory.used --format=csv; python3 -c "import vllm, pycocotools; print(vllm.__version__)"'
   [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/
-  [ -f artifacts/data/detect/train.jsonl ] || step data 120 python3 -m common.synthetic --out artifacts/data/detect \
+  [ -f artifacts/data/detect/train.jsonl ] || step data 120 python3 -m common.data.synthetic --out artifacts/data/detect \
     --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6
   PAIR2="rollout_server.gpus=[2] learner.gpus=[3] rollout_server.port=8450 transport.base_port=5750"
   SRV2='rollout_matching.vllm.servers=[{base_url: "http://127.0.0.1:8450"}]'
@@ -268,7 +268,7 @@ train_2p2() {  # train_2p2 NAME STEPS DEADLINE_S: the 2 + 2 split as configs/gpu
   # (overlap, drain fence, 4 actors per rank, fast load), its 1.5b model and data built where missing
   local name=$1 steps=$2 limit=$3
   [ -f $MODELS/1.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
-    python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b && python3 -m common.synthetic --out $DATA \
+    python3 tools/make_tiny_model.py --preset 1.5b --out $MODELS/1.5b && python3 -m common.data.synthetic --out $DATA \
     --n 96 --seed 0"
   rm -rf "runs/$name"
   KILL_AFTER=40 step "launcher-$name" "$limit" python3 -m launcher --config configs/gpu/split_2p2.yaml \
@@ -429,7 +429,7 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     BUDGET=${BUDGET:-580}   # the step run needed > 200 s for 40 steps on 2 x H200 (37 done at 200 s)
     mkdir -p .make && touch .make/installed
     [ -f $MODELS/0.5b/tandem_build.json ] && [ -f $DATA/train.jsonl ] || step models 120 bash -c "
-      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b && python3 -m common.synthetic --out $DATA \
+      python3 tools/make_tiny_model.py --preset 0.5b --out $MODELS/0.5b && python3 -m common.data.synthetic --out $DATA \
       --n 96 --seed 0"
     for mode in async step; do
       rm -rf "runs/y7-$mode"
@@ -474,7 +474,7 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     # The 7b weights in RAM (/dev/shm): the first try's build to /tmp (transformers' init + a 14 GB write to the
     # virtual disk) did not finish in 200 s; --init pool draws 16 M values instead of 7.2 B.
     step models 240 bash -c "python3 tools/make_tiny_model.py --preset 7b --init pool --out /dev/shm/tandem-models/7b &&
-      python3 -m common.synthetic --out $DATA --n 96 --seed 0 && du -sh /dev/shm/tandem-models/7b && free -g | head -2"
+      python3 -m common.data.synthetic --out $DATA --n 96 --seed 0 && du -sh /dev/shm/tandem-models/7b && free -g | head -2"
     F1_KEYS="model.path=/dev/shm/tandem-models/7b rollout_server.engine=hf rollout_server.device=cuda
       training.save_final=false training.eval_max_images=8 --grace-s 20"
     rm -rf runs/f1-fsdp-7b runs/f1-ddp-7b
@@ -499,7 +499,7 @@ sys.exit(0 if r and all(x.get('fast_effective') and x.get('digest', {}).get('ok'
     step models 200 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
       python3 tools/make_tiny_model.py --preset 1.5b --init pool --out /dev/shm/tandem-models/1.5b &&
       python3 tools/make_tiny_model.py --preset 7b --init pool --out /dev/shm/tandem-models/7b &&
-      python3 -m common.synthetic --out $DATA --n 96 --seed 0 && du -sh /dev/shm/tandem-models/*"
+      python3 -m common.data.synthetic --out $DATA --n 96 --seed 0 && du -sh /dev/shm/tandem-models/*"
     for size in 1.5b 7b; do
       for par in fsdp ddp; do
         name=g1-$par-$size
@@ -559,8 +559,8 @@ PYEOF
       torch.cuda.device_count())"'
     step models 150 bash -c "python3 tools/make_tiny_model.py --out artifacts/tiny-model &&
       python3 tools/make_tiny_model.py --preset 0.5b --init pool --out $MODELS/0.5b &&
-      python3 -m common.synthetic --out $DATA --n 96 --seed 0 &&
-      python3 -m common.synthetic --out artifacts/data/detect --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6"
+      python3 -m common.data.synthetic --out $DATA --n 96 --seed 0 &&
+      python3 -m common.data.synthetic --out artifacts/data/detect --split 4096/64 --seed 0 --sides 112 --max-objects 3 --size-range 0.25/0.6"
     [ -f artifacts/tiny-detector/tandem_build.json ] || cp -r .gpu-carry/tiny-detector artifacts/ 2>/dev/null
     step stage-b 230 python3 bench/bench_stage_b.py --world-sizes 1,2,4 --config configs/stage_b/demo_cpu.yaml \
       --out "$OUT/stage_b.json" model.path=$MODELS/0.5b model.dtype=bfloat16 tickets.demo.num_groups=64

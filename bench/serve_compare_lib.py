@@ -124,7 +124,7 @@ async def drive_infer(base_url: str, texts: Sequence[str], *, batch: int, concur
     ``max(1, concurrency // batch)`` requests in flight (so about ``concurrency`` sequences run at once)."""
     import httpx
 
-    from common.protocol import InferResponse
+    from common.wire.http import InferResponse
 
     batches = [list(texts[k:k + batch]) for k in range(0, len(texts), batch)]
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}

@@ -1,2 +1,2 @@
 """The standalone evaluator: greedy rollouts of a validation JSONL through a rollout server, scored
-with ``common.evaluation`` and drawn on the images (``python -m evaluator --help``; docs/evaluation.md)."""
+with ``common.evaluation.loop`` and drawn on the images (``python -m evaluator --help``; docs/evaluation.md)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from common import cli
+from common.runs import cli
 from evaluator.args import MAX_BATCH, MAX_TOKENS, build_parser, check_args  # noqa: F401 - limits re-exported
 
 

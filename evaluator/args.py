@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import cli
+from common.runs import cli
 
 DESCRIPTION = ("Score a model directory or a learner checkpoint on a validation JSONL: F1@0.5, COCO mAP,\n"
                "parse failures (report.json, predictions.png; docs/evaluation.md).")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/demo_cpu.yaml"
-MAX_TOKENS = 32768  # common.protocol.MAX_TOKENS_LIMIT (not imported: --help stays instant)
-MAX_BATCH = 1024  # common.protocol.MAX_BATCH
+MAX_TOKENS = 32768  # common.wire.http.MAX_TOKENS_LIMIT (not imported: --help stays instant)
+MAX_BATCH = 1024  # common.wire.http.MAX_BATCH
 
 
 def build_parser() -> argparse.ArgumentParser:

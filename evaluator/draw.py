@@ -17,8 +17,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from common.assistant_json import MAX_BIN
-from common.detection_eval import ImageResult
+from common.data.records import MAX_BIN
+from common.evaluation.metrics import ImageResult
 
 SCALE = 3
 COLS = 4

@@ -14,7 +14,7 @@
     finally: the own server gets SIGTERM by PID (SIGKILL after 20 s)
 
 SIGTERM to the evaluator raises SystemExit, so the ``finally`` that stops the own server runs.
-What this module does not know: how metrics are computed (common.detection_eval) or drawn (draw.py).
+What this module does not know: how metrics are computed (common.evaluation.metrics) or drawn (draw.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.assistant_json import Prompts
-from common.evaluation import EvalResult, HttpInfer, InferError, evaluate_records, load_eval_set
-from common.tokens import CoordTokenError, require_coord_tokens
+from common.detection.answer import Prompts
+from common.evaluation.loop import EvalResult, HttpInfer, InferError, evaluate_records, load_eval_set
+from common.detection.coord_tokens import CoordTokenError, require_coord_tokens
 
 log = logging.getLogger("evaluator")
 
@@ -127,7 +127,7 @@ def _serve_own(args: argparse.Namespace, out: Path, servers: list[OwnServer]) ->
 
 def config_prompts(config: str) -> Prompts:
     """The prompts the model was trained with: ``data.system_prompt`` / ``data.user_prompt`` of ``--config``."""
-    from common.config import ConfigError, load_config
+    from common.config.load import ConfigError, load_config
 
     try:
         cfg = load_config(config)
@@ -140,7 +140,7 @@ def config_coord_mode(config: str) -> str | None:
     """``data.coord_mode`` of ``--config``: how --data records without their own coord_mode are read (None: each
     record must carry one). A config that does not load gives None here: the rollout server started with it (or
     config_prompts) reports its problems."""
-    from common.config import ConfigError, load_config
+    from common.config.load import ConfigError, load_config
 
     try:
         return load_config(config).data.coord_mode
@@ -151,7 +151,7 @@ def config_coord_mode(config: str) -> str | None:
 def config_pixels(config: str) -> tuple[int | None, int | None]:
     """``data.min_pixels`` / ``data.max_pixels`` of ``--config`` (None = the model's own); a config that does not
     load gives (None, None) here, as in config_coord_mode."""
-    from common.config import ConfigError, load_config
+    from common.config.load import ConfigError, load_config
 
     try:
         data = load_config(config).data
@@ -164,7 +164,7 @@ def check_server_pixels(health: Any, model_dir: Path, config: str, url: str) -> 
     """The start check: the server must resize images as ``--config`` says for ``model_dir`` (the image tokens the
     model was trained on); raises EvalFailure naming the difference and the fix. Returns report.json's
     ``image_size``."""
-    from common import image_size
+    from common.data import image_size
 
     lo, hi = config_pixels(config)
     try:

@@ -1,7 +1,7 @@
 """``python -m launcher --config PATH [--dry-run] [dotted overrides]``: the whole topology, supervised.
 
 Validates the config, the GPU split, the first training records (``data.on_bad_record``) and the output directory
-(``common/run_dir.py``) before starting anything, starts the rollout server, the learner (torchrun) and the actors
+(``common/runs/output_dir.py``) before starting anything, starts the rollout server, the learner (torchrun) and the actors
 (logs in ``{output_dir}/logs/``), restarts a dead actor or server within the ``launcher.*`` budgets, ends with the
 learner, then prints the summary and the plot.
 With ``launcher.node_rank=k`` (``learner.nnodes`` > 1) it starts learner node k's share (``launcher/plan.py``).
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 
-from common import cli
-from common.dataset.check import start_problems
-from common.run_dir import StartRefused, prepare_start
+from common.runs import cli
+from common.data.check import start_problems
+from common.runs.output_dir import StartRefused, prepare_start
 from launcher.plan import PlanError, build_plan, node_log_dir, node_of  # light: the config schema, no torch
 
 

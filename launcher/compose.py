@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from common import cli
-from common.config import Config
+from common.runs import cli
+from common.config.schema import Config
 from launcher.plan import actors_wanted, node_of, node_ranks, node_refusal, torchrun_args
 
 IMAGE = {"gpu": "tandem:gpu-vllm0.26.0", "cpu": "tandem:cpu"}

@@ -61,7 +61,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.config import Config
+from common.config.schema import Config
 
 log = logging.getLogger("tandem.launcher")
 

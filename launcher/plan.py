@@ -15,7 +15,7 @@ reach it by ``rollout_matching.vllm.servers``)::
     node k: torchrun --nnodes N --node_rank k (ranks kP..kP+P-1), their actors
 
 torchrun runs the static rendezvous at ``learner.rdzv_endpoint`` (node 0's TCP store), which keeps global
-rank r on node r // P: the actors of node k and the pack addresses (``common/transport.py``) rely on it.
+rank r on node r // P: the actors of node k and the pack addresses (``common/wire/transport.py``) rely on it.
 torchrun's c10d backend would not: it ignores ``--node_rank`` and orders the nodes by address and pid.
 """
 
@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import Config
-from common.config_learner import is_loopback
+from common.config.schema import Config
+from common.config.learner import is_loopback
 from launcher.gpu_budget import shared_gpu_refusal
 
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import cli
-from common.matching import precision_recall_f1
+from common.runs import cli
+from common.detection.matching import precision_recall_f1
 from launcher.summary import K, read_split
 
 #: Panel titles the tests look for.

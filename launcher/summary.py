@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import cli
-from common.matching import precision_recall_f1
+from common.runs import cli
+from common.detection.matching import precision_recall_f1
 from launcher.bounds import b_bound, format_bound
 
 K = "stage2_ab/async/"
@@ -227,9 +227,9 @@ def summarize_evals(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def f1_change(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any] | None:
-    """Last − first val F1 with its paired-bootstrap interval over the same images (common/eval_stats.py);
+    """Last − first val F1 with its paired-bootstrap interval over the same images (common/evaluation/stats.py);
     None when a record lacks ``eval/image_counts`` (older runs) or the two scored different image counts."""
-    from common.eval_stats import ImageCounts, paired_f1_difference
+    from common.evaluation.stats import ImageCounts, paired_f1_difference
 
     try:
         before, after = (ImageCounts.from_dict(r.get("eval/image_counts")) for r in (first, last))
@@ -399,8 +399,8 @@ def _val_jsonl(run_dir: Path) -> Any:
 
 def best_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     """The run's best checkpoint still on disk by ``training.keep_best`` (eval/f1 when unset): step, metric,
-    value, path (common/retention.py: an evaluation counts for the checkpoint of its step); None without one."""
-    from common.retention import find_best
+    value, path (common/runs/retention.py: an evaluation counts for the checkpoint of its step); None without one."""
+    from common.runs.retention import find_best
 
     keep_best = (_run_config_section(run_dir, "training") or {}).get("keep_best") or "eval/f1"
     try:

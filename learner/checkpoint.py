@@ -15,10 +15,15 @@ run needs it on a filesystem every node shares)::
     learner.parallel: fsdp (the whole model is never gathered on one device)
     dcp/                       weights + AdamW state, sharded: torch.distributed.checkpoint (.metadata +
                                __<rank>_0.distcp, each rank its own shards); keys model.<HF name>,
-                               optim.state.<HF name>.<step|exp_avg|exp_avg_sq>, optim.param_groups
+                               optim.state.<HF name>.<step|exp_avg|exp_avg_sq>, optim.param_groups (with
+                               model.adapter the names are the injected tree's: <layer>.base_layer.weight,
+                               <layer>.lora_A.default.weight, ...: the base and the adapter both, what resume loads)
     model_config/              config.json, generation_config.json and the tokenizer/processor files of
                                model.path: the HF directory minus its weights (``python -m learner.export``
                                adds them from dcp/ to make a servable directory)
+    adapter/                   model.adapter only: the adapter gathered whole, as under ddp (peft's layout; small):
+                               what ``learner.export --adapter-only`` copies and a resumed learner's config is
+                               checked against; resume reads the adapter's values from dcp/ (the same tensors)
 
     either
     scheduler.pt               LR scheduler state
@@ -28,7 +33,7 @@ run needs it on a filesystem every node shares)::
     rank<r>.json               rank r: Channel-A sampler position + carry, queue counters, forward counts
     rng_rank<r>.pt             rank r: python, numpy, torch (and CUDA) RNG states
     b_ledger_rank<r>.json      rank r: {"rank": r, "trained_ids": [B sample ids trained so far]}
-                               read by the learner (duplicate guard) and the actor (common/checkpoints.py
+                               read by the learner (duplicate guard) and the actor (common/runs/checkpoints.py
                                read_b_ledger: its stream skips these keys on resume)
 
 Why DCP and not a hand-written gather: ``torch.distributed.checkpoint`` writes each rank's shards in
@@ -49,7 +54,7 @@ Write protocol: every rank writes into ``checkpoints/.tmp-<step>``; barrier; ran
 resume ignores (it takes the highest integer directory of the run's own run id).
 
 Retention (``training.save_total_limit``, ``training.keep_best``): after save() returns on every rank, rank 0
-alone deletes the checkpoints the rule drops (:func:`retain`, common/retention.py); no other rank reads an
+alone deletes the checkpoints the rule drops (:func:`retain`, common/runs/retention.py); no other rank reads an
 older checkpoint, so nothing waits for it.
 
 Queues are not checkpointed: packs waiting at save time are re-produced by the actors after a
@@ -75,11 +80,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_optimizer_state_dict,
                                                      set_state_dict)
 
-from common import retention
-from common.checkpoints import checkpoints_root, read_b_ledger, write_b_ledger
+from common.runs import retention
+from common.runs.checkpoints import checkpoints_root, read_b_ledger, write_b_ledger
 from learner.distributed import Dist
 from learner.parallel import is_fsdp
-from learner.recipe import ADAPTER_DIR, base_state, has_adapter, save_adapter
+from learner.recipe import ADAPTER_DIR, adapter_state, base_state, has_adapter, save_adapter
 from learner.sync.boundary import unwrap
 
 log = logging.getLogger(__name__)
@@ -142,13 +147,18 @@ def save(
     (tmp / f"rank{r}.json").write_text(json.dumps(rank_state, indent=1))
     write_b_ledger(tmp, r, trained_ids)
     torch.save(rng_state(), tmp / f"rng_rank{r}.pt")
+    hf = unwrap(model)
+    adapter = None
     if sharded:  # every rank: its own shards (DCP's plan exchange is a collective)
         _dcp(dist, f"checkpoint {step}: writing the sharded weights and AdamW state to {tmp / DCP_DIR}",
              lambda: dcp.save(_dcp_state(model, optimizer), checkpoint_id=tmp / DCP_DIR))
+        if has_adapter(hf):  # gathered whole on every rank (small), written by rank 0 in peft's layout
+            adapter = adapter_state(hf)
     if dist.is_main:
-        hf = unwrap(model)
         if sharded:
             save_model_config(hf, Path(model_path), tmp / MODEL_CONFIG_DIR)
+            if adapter is not None:
+                save_adapter(hf, tmp / ADAPTER_DIR, adapter)
         else:
             if has_adapter(hf):  # model/ stays a plain HF directory of the base weights; the adapter beside it
                 hf.save_pretrained(tmp / "model", state_dict=base_state(hf))
@@ -198,7 +208,7 @@ def save_learner(learner: Any) -> Path:
 
 
 def retain(learner: Any, *, final: bool) -> list[int]:
-    """Rank 0: delete the checkpoints ``training.save_total_limit`` / ``keep_best`` drop (common/retention.py);
+    """Rank 0: delete the checkpoints ``training.save_total_limit`` / ``keep_best`` drop (common/runs/retention.py);
     ``final``: the checkpoint of the learner's step is the run's final one."""
     return retention.apply_after_save(learner.cfg.training, learner.out, learner.step, final=final,
                                       resumed_from=learner.resume_from)

@@ -3,7 +3,7 @@
 ::
 
     train JSONL ─► DistributedSampler(rank, world, shuffle, seed, drop_last) ─► record index
-        ─► canonical GT ─► common.targets.channel_a_target ─► common.tensors.encode.Encoder ─► Segment (channel A)
+        ─► canonical GT ─► common.detection.targets.channel_a_target ─► common.packing.encode.Encoder ─► Segment (channel A)
         ─► first fit into GA packs of packing_length, in draw order ─► GA Packs, carry (≤ 2 × GA samples)
 
 An A step's packs hold **as many whole samples as fit** (the origin packs Channel-A too), not a
@@ -16,13 +16,13 @@ non-empty packs — a sample fits no pack only when none is empty — and every 
 forward/backward per micro-step. The carry never exceeds 2 × GA samples, and a sample waits two
 windows at most: the GA oldest carried samples always go in (first fit puts any GA samples into
 GA empty packs), so the rest are the GA oldest of the next window.
-``training.per_device_train_batch_size`` does not count Channel-A samples (common/config_schema.py).
+``training.per_device_train_batch_size`` does not count Channel-A samples (common/config/schema.py).
 Example (demo: packing_length 1024, samples of 77-140 tokens, GA 2): about 18 samples a window,
 mean fill 0.96, against 8 samples and 0.42 when a window took per_device × GA of them.
 
 A sample longer than ``packing_length`` never reaches a pack: the Encoder refuses it and it is
 counted in ``too_long_dropped``, and the next is drawn. A record that breaks the contract (docs/data.md)
-or whose image is missing follows ``data.on_bad_record`` (common/dataset/check.py): ``fail`` raises
+or whose image is missing follows ``data.on_bad_record`` (common/data/check.py): ``fail`` raises
 naming the record (the learner checked the first records before it started), ``skip`` counts it in
 ``record_errors``, logs each kind once, and draws the next.
 
@@ -45,10 +45,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from common.assistant_json import canonical_order, load_record
-from common.dataset.check import BadRecords, check_images
-from common.segment import Pack, Segment
-from common.targets import channel_a_target
+from common.detection.answer import canonical_order
+from common.data.records import load_record
+from common.data.check import BadRecords, check_images
+from common.packing.segment import Pack, Segment
+from common.detection.targets import channel_a_target
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ::
 
-    rank 0: wants = wants_b(global_step, b_ratio)          (common.schedule, exact rational)
+    rank 0: wants = wants_b(global_step, b_ratio)          (common.packing.schedule, exact rational)
     ┌► every rank: n_r = queue.eligible()                   (stale packs pruned first)
     │  all_reduce(MIN) over n_r  ──► n_min                  collective 1, every rank, always
     │  rank 0: verdict = B     if wants and n_min >= GA
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
-from common.schedule import wants_b
+from common.packing.schedule import wants_b
 from learner.distributed import Dist
 from learner.pack_queue import ReadyPack
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.tensors.ranks import RankGroup
+from common.distributed.ranks import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Dist(RankGroup):
         """Every rank reads the same run id from ``output_dir/run_info.json`` (global rank 0 wrote it before
         joining), or :class:`SharedDirError` on every rank: a node with its own local copy of output_dir would
         write its checkpoint files where node 0 never looks. Every rank calls it (two collectives)."""
-        from common.checkpoints import run_id_of
+        from common.runs.checkpoints import run_id_of
 
         run_id = run_id_of(output_dir)
         mine = int(run_id[:15], 16) if run_id and all(c in "0123456789abcdef" for c in run_id[:15]) else -1

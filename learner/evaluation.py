@@ -5,7 +5,7 @@
     boundary before step s (after the weight sync; learner/rank.py maybe_sync)
       s == 0 or s % training.eval_every_steps == 0 (the first boundary from then whose push committed),
       and no evaluation running?
-        rank 0: start a thread ─► common.evaluation.evaluate_records(val records, HttpInfer(min_ver=ver))
+        rank 0: start a thread ─► common.evaluation.loop.evaluate_records(val records, HttpInfer(min_ver=ver))
                                     ONE /infer of every image (one ver) ─► strict parse ─► P/R/F1@0.5 + COCO mAP
                                  ─► MetricsWriter.write_eval({"record": "eval", "step": s, "eval/*": ...})
         the training thread goes on at once (it never waits for an evaluation)
@@ -22,7 +22,7 @@ learner's own wait in blocking mode (``time/sync_stall``), the push thread's in 
 rollouts share the server with the actors, so an evaluation also slows Channel-B production while it
 runs; its time is ``eval/time_s`` (docs/evaluation.md has the measured cost).
 
-What this module does not know: how the numbers are computed (common/detection_eval.py), or ranks
+What this module does not know: how the numbers are computed (common/evaluation/metrics.py), or ranks
 beyond "rank 0 evaluates".
 """
 
@@ -50,9 +50,9 @@ class PeriodicEval:
             return
         from transformers import AutoTokenizer  # deferred; a tokenizer of its own: the thread parses with it
 
-        from common.assistant_json import Prompts
-        from common.evaluation import load_eval_set
-        from common.tokens import require_coord_tokens
+        from common.detection.answer import Prompts
+        from common.evaluation.loop import load_eval_set
+        from common.detection.coord_tokens import require_coord_tokens
 
         self.cfg = cfg
         self.evalset = load_eval_set(cfg.data.val_jsonl, max_images=cfg.training.eval_max_images,
@@ -101,7 +101,7 @@ class PeriodicEval:
         self._run(step, ver)
 
     def _run(self, step: int, ver: int) -> None:
-        from common.evaluation import HttpInfer, evaluate_records
+        from common.evaluation.loop import HttpInfer, evaluate_records
 
         rm = self.cfg.rollout_matching
         client = HttpInfer(self.url, timeout_s=rm.vllm.infer_timeout_s, connect_timeout_s=rm.vllm.connect_timeout_s,

@@ -12,7 +12,10 @@ wrote them). Then ``save_pretrained`` plus the tokenizer/processor files. Peak h
 once (the AdamW state in ``dcp/`` is never read). A ddp checkpoint's ``model/`` already is such a
 directory: it is copied, unless the run trained a ``model.adapter``: then ``model/`` holds the base weights and
 ``adapter/`` the adapter, and the export is the merged model (``--adapter-only``: the adapter alone, in peft's
-layout; fsdp runs have no adapters).
+layout). An fsdp checkpoint of an adapter run holds base and adapter in ``dcp/`` under the injected names: the
+model is rebuilt with the adapter of ``adapter/adapter_config.json`` injected (on ``meta``, before DCP fills it),
+merged (learner/recipe.py ``merged_weights``) and saved as a plain model; ``--adapter-only`` copies its
+``adapter/`` as for ddp.
 
 The result loads with ``AutoModelForImageTextToText.from_pretrained``, serves with the hf and vLLM
 engines, and works as ``model.path`` for a new run (e.g. with another number of ranks). ``DIR`` is
@@ -29,9 +32,10 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
-from common import cli
-from common.checkpoints import NotACheckpoint, checkpoint_parallel
+from common.runs import cli
+from common.runs.checkpoints import NotACheckpoint, checkpoint_parallel
 from learner.recipe import ADAPTER_DIR, write_merged
 
 log = logging.getLogger(__name__)
@@ -91,9 +95,7 @@ def export(checkpoint: str | Path, out: str | Path, adapter_only: bool = False) 
 
 def write_from_shards(ckpt: Path, dst: Path) -> None:
     """``dst``: the HF directory of an fsdp checkpoint's ``dcp/`` weights and ``model_config/`` (or model.path)."""
-    import torch
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from learner.checkpoint import DCP_DIR, copy_model_side_files
 
@@ -104,10 +106,8 @@ def write_from_shards(ckpt: Path, dst: Path) -> None:
         raise ExportError(f"{ckpt / DCP_DIR} holds no model weights (no model.* keys). Fix: pass a checkpoint the "
                           "learner wrote")
     dtype = next(iter(weights.values())).properties.dtype
-    with torch.device("meta"):  # no memory, no random init: DCP fills every tensor below
-        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(src), dtype=dtype)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives every parameter its own storage; tied ones must share it again
+    adapter = ckpt / ADAPTER_DIR
+    model = _empty_model(src, dtype, adapter if adapter.is_dir() else None)
     state = {"model": model.state_dict()}
     missing = sorted(set(state["model"]) - set(weights))
     if missing:
@@ -116,8 +116,36 @@ def write_from_shards(ckpt: Path, dst: Path) -> None:
                           "model_config/ (or model.path)")
     dcp.load(state, checkpoint_id=ckpt / DCP_DIR, no_dist=True)
     model.load_state_dict(state["model"])
+    if adapter.is_dir():  # the served model: every adapted layer merged, peft's wrappers gone
+        from learner.recipe import merged_weights
+
+        merged = dict(merged_weights(model))
+        model = _empty_model(src, dtype, None)
+        model.load_state_dict(merged, strict=False)
+        missing = [n for n, _ in model.named_parameters() if n not in merged]
+        if missing:
+            raise ExportError(f"{adapter} does not merge into the model of {src} ({len(missing)} weight(s) missing, "
+                              f"e.g. {missing[:3]}). Fix: export a checkpoint the learner wrote, whole")
     model.save_pretrained(dst)
     copy_model_side_files(src, dst)
+
+
+def _empty_model(src: Path, dtype: Any, adapter: Path | None) -> Any:
+    """The model ``src`` describes with uninitialised CPU storage (no random init), ``adapter``'s peft config
+    injected if given (the tree an adapter run's ``dcp/`` was written from)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):  # no memory, no random init: the caller fills every tensor
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(src), dtype=dtype)
+        if adapter is not None:
+            from peft import LoraConfig, inject_adapter_in_model
+
+            with torch.random.fork_rng(devices=[]):
+                inject_adapter_in_model(LoraConfig.from_pretrained(str(adapter)), model)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives every parameter its own storage; tied ones must share it again
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,7 +115,7 @@ def supervised_rows(labels: torch.Tensor, coord_pos: torch.Tensor, coord_bins: t
     """Rows of a pack (1-D tensors over its T tokens) the loss reads; position 0 of a pack is never supervised.
 
     A label at a segment's first token would read the previous segment's last logits; segments
-    put ``-100`` there (``common.segment``), and ``p = 0`` is dropped here as a guard.
+    put ``-100`` there (``common.packing.segment``), and ``p = 0`` is dropped here as a guard.
     """
     pos = torch.nonzero(labels != IGNORE_INDEX, as_tuple=False).flatten()
     pos = pos[pos > 0]

@@ -6,7 +6,7 @@
 
 Loads the config with the world size torchrun announced (errors: exit 2, every problem listed),
 names the process, has rank 0 refuse bad records (``data.on_bad_record``) or a start that would mix with
-another run (``common/run_dir.py``), both exit 2, and write the run record (``learner/run_record.py``), and only then
+another run (``common/runs/output_dir.py``), both exit 2, and write the run record (``learner/run_record.py``), and only then
 imports torch and transformers (``--help`` and config errors answer in well under a second), calls
 ``learner.train.run`` once, and tears the process group down in ``finally``. Rank means the global rank
 (``RANK``): on several nodes the run record is node 0's, and every node must share ``training.output_dir``
@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (torchrun learner/main.py): import from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cli  # noqa: E402 - after the path fix above
+from common.runs import cli  # noqa: E402 - after the path fix above
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             print(refused, file=sys.stderr)
             return cli.EXIT_USAGE
 
-    from common.config import ConfigError
+    from common.config.load import ConfigError
     from learner.distributed import Dist, SharedDirError  # heavy (torch): deferred until the config is known good
     from learner.train import run
 

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common.matching import precision_recall_f1
+from common.detection.matching import precision_recall_f1
 from learner.pack_queue import COUNTER_NAMES, REJECTED
 from learner.throughput import mfu
 
@@ -229,7 +229,7 @@ class MetricsWriter:
     optimizer step) and the evaluation thread (:meth:`write_eval`, one ``"record": "eval"`` line per
     evaluation). One lock serialises them, so every line is whole; step records carry no ``record``
     key (readers treat a missing one as ``"step"``, see ``launcher.summary.read_metrics``). Every line
-    carries the run's ``run_id`` (``common/checkpoints.py``), so lines of two runs can never be confused.
+    carries the run's ``run_id`` (``common/runs/checkpoints.py``), so lines of two runs can never be confused.
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, progress: bool, start_step: int, max_steps: int,

@@ -3,7 +3,7 @@
 Packed forward, and how segments are kept apart (transformers 5.23-5.24, Qwen2/2.5/3-VL: Qwen3VLTextModel reads the
 4-row ``position_ids`` the same way; tests/test_loss.py runs the isolation on both tiny families)::
 
-    pack arrays (common.segment)                     model inputs (batch 1)
+    pack arrays (common.packing.segment)                     model inputs (batch 1)
     input_ids [T] ──────────────────────────────────► input_ids [1, T]
     position_ids [3, T]  (mRoPE, per segment) ──┐
     cu_seqlens [S+1] ─► text positions [T] ─────┴──► position_ids [4, 1, T]   row 0 = text positions,
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.segment import PackLimits
-from common.tokens import require_coord_tokens
+from common.packing.segment import PackLimits
+from common.detection.coord_tokens import require_coord_tokens
 from learner import attention
 from learner.loss import LossTerms, LossWeights, Normaliser, Rows, head_loss, pack_loss, supervised_rows
 
@@ -279,7 +279,7 @@ def _head_in_place(model: torch.nn.Module, head: Callable[[torch.Tensor, torch.T
 
 def pack_limits(model: torch.nn.Module, packing_length: int, rope_rows: int | None,
                 meta_counts: tuple[str, ...] = ()) -> PackLimits:
-    """What this policy can take from a pack (``common.segment.pack_rejection``): vocabulary, rope rows, images."""
+    """What this policy can take from a pack (``common.packing.segment.pack_rejection``): vocabulary, rope rows, images."""
     inner = getattr(model, "module", model)
     vocab = min(inner.get_input_embeddings().weight.shape[0], inner.get_output_embeddings().weight.shape[0])
     vis = vision_tower(model)

@@ -7,7 +7,7 @@ A steps are the async mode's (exactly GA window packs); the sync cadence is the 
 ``step``, a B step::
 
     rollouts_per_step samples of the B stream ─► /infer in chunks of rollout_decode_batch_size
-      ─► segments ─► common.packing.Packer ─► a VARIABLE number of packs
+      ─► segments ─► common.packing.packer.Packer ─► a VARIABLE number of packs
       ─► one forward/backward per pack, loss × (segments in pack / segments in step)
       ─► ONE optimizer update
     enable_pipeline: a producer thread rolls out chunk by chunk into queue.Queue(maxsize=1); the main
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from common.packing import Packer
-from common.schedule import wants_b
+from common.packing.packer import Packer
+from common.packing.schedule import wants_b
 from learner.loss import Normaliser
 from learner.metrics import RankStats
 

@@ -30,7 +30,7 @@ Conservation, at every moment (``check_conservation``)::
 input; it counts every problem and logs it with the sender (actor id, seq, peer address), at most one
 line per kind of problem every ``LOG_EVERY_S`` seconds (with the count of those not logged).
 
-Admission (``common.segment.pack_rejection`` with the learner's :class:`PackLimits`, set from the model
+Admission (``common.packing.segment.pack_rejection`` with the learner's :class:`PackLimits`, set from the model
 before :meth:`ReadyQueue.start`): ids and labels in the vocabulary, at most ``packing_length`` tokens,
 finite non-negative weights, a finite pixel normalisation (``pixel_affine``), position ids and images the
 model takes, finite meta counts; and here, ``ver ≤ ver_current + 1`` (an actor may be one sync ahead of the
@@ -51,9 +51,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.segment import REJECT_REASONS, Pack, PackLimits, pack_rejection
-from common.transport import ActorTally
-from common.wire import PackMessage, ProtocolError, encode_credits, frames_to_pack
+from common.packing.segment import REJECT_REASONS, Pack, PackLimits, pack_rejection
+from common.wire.transport import ActorTally
+from common.wire.codec import PackMessage, ProtocolError, encode_credits, frames_to_pack
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class ReadyQueue:
                 return
         if self._publish is not None and sys.exc_info()[0] is None:
             # Training finished (no exception is on its way out of the learner): the last credits say done, so
-            # this rank's actors exit now instead of waiting out their silence deadline (common.wire Credits.done).
+            # this rank's actors exit now instead of waiting out their silence deadline (common.wire.codec Credits.done).
             # The receiver thread is gone, so this thread may use the PUB socket; three sends 50 ms apart get
             # one out before the socket closes with linger 0.
             with self._lock:
@@ -238,7 +238,7 @@ class ReadyQueue:
         self._publish(frame)
 
     def _rejection(self, item: ReadyPack) -> tuple[str, str] | None:
-        """Why a decoded pack is not trained (``common.segment.REJECT_REASONS``), or None."""
+        """Why a decoded pack is not trained (``common.packing.segment.REJECT_REASONS``), or None."""
         if item.ver > self._ver + 1:
             return "future_ver", f"ver {item.ver} > ver_current {self._ver} + 1"
         if self.limits is None:

@@ -8,6 +8,11 @@ and of the vision tower, then the root (embeddings, norm, lm_head)::
       gradients: reduce-scatter in learner.fsdp.reduce_dtype ─► each rank keeps its shard
       AdamW steps on the shards (on the CPU with cpu_offload)
 
+Frozen and trained parameters share a unit: ``model.freeze`` groups, and under ``model.adapter`` every base
+weight beside its block's trained ``lora_*`` tensors (learner/recipe.py injects peft's layers before the wrap).
+FSDP2 shards and gathers them alike; only parameters that take a gradient are reduce-scattered and get AdamW
+state (tests/test_recipe_fsdp.py, tests/test_recipe_fsdp_adapter.py).
+
 Where the weights live: the learner loads the model on the CPU under ``fsdp`` (:func:`load_device`);
 ``fully_shard`` moves each block's parameters to the rank's device as it shards them, so without
 offload the shards end on the GPU and with ``cpu_offload`` they go back to pinned host memory; the
@@ -78,7 +83,7 @@ def load_device(learner_cfg: Any, device: torch.device) -> torch.device:
 
 def join_one_rank_group(device: torch.device) -> bool:
     """FSDP2 needs a process group even for one rank; a world of one (no torchrun) has none
-    (``common/tensors/ranks.py``): make one on an in-memory store. True when this call made it."""
+    (``common/distributed/ranks.py``): make one on an in-memory store. True when this call made it."""
     import torch.distributed as dist
 
     if dist.is_initialized():

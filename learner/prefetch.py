@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from common.segment import Pack
+from common.packing.segment import Pack
 from learner.data import retag
 from learner.torch_threads import pin_this_thread, start_pinned
 

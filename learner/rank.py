@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.config import ConfigError
-from common.schedule import RealizedRatio, exact_ratio
+from common.config.load import ConfigError
+from common.packing.schedule import RealizedRatio, exact_ratio
 from learner import checkpoint, parallel
 from learner.data import ChannelAData
 from learner.device_time import DeviceSpans
@@ -96,7 +96,7 @@ class Learner:
 
     def open_queue(self) -> None:
         """Bind this rank's pack PULL and credit PUB first, so actors can connect while the model loads."""
-        from common.transport import CreditPublisher, PackReceiver, credit_endpoint, max_frame_bytes, pack_endpoint
+        from common.wire.transport import CreditPublisher, PackReceiver, credit_endpoint, max_frame_bytes, pack_endpoint
 
         t, a = self.cfg.transport, self.cfg.stage2_ab.channel_b.async_
         receiver = PackReceiver(pack_endpoint(t, self.dist.rank, self.cfg.learner), hwm=t.hwm, linger_ms=t.linger_ms,
@@ -120,7 +120,7 @@ class Learner:
                 f"pushes: every blocking sync, and in overlap mode the start-up sync and a checkpoint's wait for "
                 f"the push in flight). Fix: raise learner.collective_timeout_s above {sync_t}"
             ])
-        from common.checkpoints import resolve_resume_checkpoint, run_id_of
+        from common.runs.checkpoints import resolve_resume_checkpoint, run_id_of
 
         torch.manual_seed(cfg.training.seed)
         self.run_id = run_id_of(self.out)  # rank 0 wrote it before any rank got here (learner/main.py)
@@ -143,7 +143,7 @@ class Learner:
         self.model = parallel.wrap(model, cfg.learner, dist.device, dist.world_size, dist.local_rank)
         dist.initialized |= torch.distributed.is_initialized()  # a one-rank fsdp group: Dist.close tears it down
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.training)  # after wrap: fsdp's shards
-        from common.tensors.encode import encoder_from_config
+        from common.packing.encode import encoder_from_config
 
         self.encoder = encoder_from_config(cfg)  # the training thread's (one-process modes' B pipeline, bench)
         if self.queue is not None:
@@ -172,7 +172,7 @@ class Learner:
 
     def _admit_packs(self, model: torch.nn.Module) -> None:
         """The ready queue's admission limits from the model, its largest pack checked against the frame cap."""
-        from common.transport import max_frame_bytes  # the receiver's cap, from the same config (open_queue)
+        from common.wire.transport import max_frame_bytes  # the receiver's cap, from the same config (open_queue)
         one = np.zeros(1, np.int64)
         rows = int(self.encoder.position_ids(one, one, np.zeros((0, 3), np.int64)).shape[0])
         limits = pack_limits(model, self.packing_length, rows, ROLLOUT_COUNTS)

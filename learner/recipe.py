@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -162,10 +162,13 @@ def merged_weight(layer: Any) -> torch.Tensor:
     return merged
 
 
-def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model: torch.nn.Module, merge: Callable[[Any], Any] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The served model's names and tensors of an adapter-trained policy: each adapted linear's weight merged
-    (:func:`merged_weight`), every other base parameter as it is, the adapter's own tensors (``lora_*``) and
-    peft's frozen copies of ``modules_to_save`` left out. Tied parameters once, as ``named_parameters`` has them."""
+    (``merge(layer)``, by default :func:`merged_weight`; FSDP2: learner/recipe_sharded.py's deferred merge), every
+    other base parameter as it is, the adapter's own tensors (``lora_*``) and peft's frozen copies of
+    ``modules_to_save`` left out. Tied parameters once, as ``named_parameters`` has them."""
+    merge = merge or merged_weight
     layers = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
     for name, p in model.named_parameters():
         if ".lora_" in name or ".original_module." in name:
@@ -173,7 +176,7 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         owner, _, leaf = name.rpartition(".")
         layer_name = owner.removesuffix(".base_layer")
         if leaf == "weight" and owner.endswith(".base_layer") and layer_name in layers:
-            yield hf_name(name), merged_weight(layers[layer_name])
+            yield hf_name(name), merge(layers[layer_name])
         else:
             yield hf_name(name), p.detach()
 
@@ -202,7 +205,7 @@ def adapter_push(model: torch.nn.Module) -> Any:
     ``<layer>.lora_magnitude_vector.weight``, the tensors as trained (the server merges in their dtype)."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from common.protocol import AdapterSpec
+    from common.wire.sync import AdapterSpec
     from common.tensors.weights import dtype_name
     from learner.sync.base import AdapterPush
 
@@ -246,17 +249,30 @@ def base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_adapter(model: torch.nn.Module, dst: Any) -> None:
-    """``dst``/adapter_model.safetensors + adapter_config.json of the injected adapter (peft's format)."""
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The injected adapter's tensors (peft's ``get_peft_model_state_dict``: ``lora_*`` and ``modules_to_save``),
+    whole, on the CPU. Under FSDP2 each is a DTensor gathered here: a collective, so every rank calls it (same
+    order on every rank: the state dict's)."""
+    from peft import get_peft_model_state_dict
+
+    out = {}
+    for k, v in get_peft_model_state_dict(model).items():
+        v = v.detach()
+        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().contiguous()
+    return out
+
+
+def save_adapter(model: torch.nn.Module, dst: Any, state: dict[str, torch.Tensor] | None = None) -> None:
+    """``dst``/adapter_model.safetensors + adapter_config.json of the injected adapter (peft's format); ``state``:
+    :func:`adapter_state` taken already (FSDP2: gathered on every rank, written by rank 0)."""
     from pathlib import Path
 
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(model)
-    save_file({_PEFT_PREFIX + k: v.detach().contiguous() for k, v in state.items()}, dst / "adapter_model.safetensors")
+    state = adapter_state(model) if state is None else state
+    save_file({_PEFT_PREFIX + k: v for k, v in state.items()}, dst / "adapter_model.safetensors")
     model._tandem_lora_config.save_pretrained(dst)
 
 

@@ -9,11 +9,11 @@
                                             (``image_pixels``: data.min/max_pixels over the model's), package versions, git
                                             commit, start time (UTC)
 
-A fresh start makes the run id (``run_id``, uuid4 hex; ``common/checkpoints.py``); resumes keep it and
+A fresh start makes the run id (``run_id``, uuid4 hex; ``common/runs/checkpoints.py``); resumes keep it and
 never rewrite the first start's files: ``run_config.yaml`` is written once, and every resume appends
 one entry to ``run_info.json``'s ``resumes`` list (its own versions, world size, git commit, the step
 it resumed from, and ``config_changes``: the keys whose value differs from ``run_config.yaml``).
-A fresh start never meets another run's record (``common/run_dir.py`` refuses the directory or moves
+A fresh start never meets another run's record (``common/runs/output_dir.py`` refuses the directory or moves
 that run aside first); if it did, it would rename the earlier record to ``*.replaced-<its start
 time>.*`` rather than overwrite it.
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from common.config import to_dict
+from common.config.load import to_dict
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,11 @@ SEEDING_RULES = {
 
 def start_run(cfg: Any, world_size: int) -> str | None:
     """Rank 0, before anything else is written: why this start is refused (bad records under
-    ``data.on_bad_record: fail``, common/dataset/check.py; ``common/run_dir.py``: exit 2), or None once the record
+    ``data.on_bad_record: fail``, common/data/check.py; ``common/runs/output_dir.py``: exit 2), or None once the record
     of this start (fresh or resumed) is kept; ``training.overwrite`` moves an old run aside."""
-    from common.checkpoints import checkpoint_run_id, resolve_resume_checkpoint
-    from common.dataset.check import start_problems
-    from common.run_dir import StartRefused, prepare_start
+    from common.runs.checkpoints import checkpoint_run_id, resolve_resume_checkpoint
+    from common.data.check import start_problems
+    from common.runs.output_dir import StartRefused, prepare_start
 
     try:
         prepare_start(cfg, move=False)  # the run directory's refusals first: they need no data
@@ -202,8 +202,8 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _image_pixels(cfg: Any) -> dict[str, Any] | None:
-    """What images are resized with: data.min_pixels / data.max_pixels over model.path's own (common/image_size.py)."""
-    from common.image_size import ImageSizeError, resolve
+    """What images are resized with: data.min_pixels / data.max_pixels over model.path's own (common/data/image_size.py)."""
+    from common.data.image_size import ImageSizeError, resolve
 
     try:
         pixels = resolve(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
@@ -215,7 +215,7 @@ def _image_pixels(cfg: Any) -> dict[str, Any] | None:
 
 
 def _data_info(data: Any) -> dict[str, Any]:
-    """The data paths and, per directory holding one, the ``manifest.json`` parameters (``common.synthetic``)."""
+    """The data paths and, per directory holding one, the ``manifest.json`` parameters (``common.data.synthetic``)."""
     paths = {"train_jsonl": data.train_jsonl, "val_jsonl": data.val_jsonl, "image_root": data.image_root}
     manifests = {}
     for p in (data.train_jsonl, data.val_jsonl):

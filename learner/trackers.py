@@ -19,7 +19,7 @@ step order. A resumed run (same ``run_id``) continues the same W&B run (``id`` =
 ``resume="allow"``) and the same MLflow run (tag ``tandem.run_id``).
 
 Each package is imported only when its tracker is chosen (the config check refuses a chosen one that
-is not installed: ``common/config_run.py``). What this module does not know: ranks, what a metric means.
+is not installed: ``common/config/run.py``). What this module does not know: ranks, what a metric means.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common.config import ConfigError
+from common.config.load import ConfigError
 from learner.decision import decide_step
 from learner.distributed import Dist
 from learner.metrics import RankStats

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import cli
-from common.build_dir import build_once
+from common.runs import cli
+from common.runs.build_dir import build_once
 
 BUILDER_VERSION = 1
 BUILD_FILE = "tandem_build.json"
@@ -77,7 +77,7 @@ def _data_identity(train_jsonl: Path) -> Any:
 
 def build_params(cfg: Any) -> dict[str, Any]:
     """Everything the warm-started weights depend on; equal params = the same build."""
-    from common.config import to_dict
+    from common.config.load import to_dict
 
     t, ab = cfg.training, cfg.stage2_ab
     return {
@@ -109,7 +109,7 @@ def check_config(cfg: Any) -> list[str]:
         problems.append(f"model.path = {cfg.model.path}: no config.json there. Fix: point it at a model directory "
                         "(make tiny-model builds the tiny one)")
     if not problems:  # data.on_bad_record: fail checks the first records before the model loads
-        from common.dataset.check import start_problems
+        from common.data.check import start_problems
 
         problems += start_problems(cfg)
     return problems
@@ -126,7 +126,7 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
     """Run ``training.max_steps`` Channel-A steps with coord CE and save the model into ``out_tmp``."""
     import torch
 
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
     from learner.checkpoint import copy_model_side_files
     from learner.data import ChannelAData
     from learner.loss import LossWeights, Normaliser
@@ -182,7 +182,7 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
 def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, bool]:
     """The warm-started model at ``out`` (built unless it already holds this build); returns (path, built_now).
 
-    Built once and atomically (:func:`common.build_dir.build_once`): a concurrent caller or a killed
+    Built once and atomically (:func:`common.runs.build_dir.build_once`): a concurrent caller or a killed
     build never leaves a half-written model; a folder this command did not write is never replaced.
     """
     out = Path(out)

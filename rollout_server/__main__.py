@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from common import cli
+from common.runs import cli
 
 DESCRIPTION = "Serve the policy under rollout_server.* of the config (engine hf|vllm, host, port, auth_token)."
 EPILOG = """e.g. python -m rollout_server --config configs/demo_cpu.yaml rollout_server.port=8310

@@ -1,4 +1,4 @@
-"""The rollout server's FastAPI app: routes translate between ``common.protocol`` and the engine.
+"""The rollout server's FastAPI app: routes translate between ``common.wire.http`` and the engine.
 
     GET  /health                 HealthResponse; 200 only when status == "ok" (503 while loading,
                                  syncing or in error, body still a HealthResponse)
@@ -44,28 +44,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.protocol import (
-    BUCKET_HEADER,
-    MAX_VER_JUMP,
-    SCHEMA_VERSION,
-    ErrorResponse,
-    HealthResponse,
-    InferRequest,
-    InferResponse,
-    SyncAbortRequest,
-    SyncAbortResponse,
-    SyncBeginRequest,
-    SyncBeginResponse,
-    SyncBucketHeader,
-    SyncBucketResponse,
-    SyncCommitRequest,
-    SyncCommitResponse,
-    SyncDigestResponse,
-    SyncInitRequest,
-    SyncInitResponse,
-    SyncIpcRequest,
-)
-from common.message_base import content_only, error_location
+from common.wire.sync import (BUCKET_HEADER, MAX_VER_JUMP, SyncAbortRequest, SyncAbortResponse, SyncBeginRequest,
+                              SyncBeginResponse, SyncBucketHeader, SyncBucketResponse, SyncCommitRequest,
+                              SyncCommitResponse, SyncDigestResponse, SyncInitRequest, SyncInitResponse, SyncIpcRequest)
+from common.wire.codec import SCHEMA_VERSION
+from common.wire.http import ErrorResponse, HealthResponse, InferRequest, InferResponse
+from common.wire.base import content_only, error_location
 from common.tensors import packed as P
 from rollout_server.engines.base import Engine, EngineInputError, check_prompt_lengths
 from rollout_server.errors import ApiError, UnexpectedErrors, error_content
@@ -136,7 +120,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
                 await engine.start()
             state.status = "ok"
             log.info("serving %s with the %s engine at ver %d", engine.model_path, engine.name, fence.ver)
-            if not limits.auth_token:  # allowed on loopback only (common/config_server.py); say what it means
+            if not limits.auth_token:  # allowed on loopback only (common/config/server.py); say what it means
                 log.info("/sync/* take no token (rollout_server.auth_token unset): any local process may push "
                          "weights; set a token on a machine shared with other users")
         except Exception as exc:  # noqa: BLE001 - any start failure is fatal and reported
@@ -185,7 +169,7 @@ def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | Non
         else:
             field, message = problems[0][0], "; ".join(f"{f}: {m}" for f, m, _ in problems)
         # 422: the body breaks the published schema; 400: it fits the schema but breaks a rule between
-        # fields that JSON Schema cannot state (common.message_base.ContentError), or is not JSON at all.
+        # fields that JSON Schema cannot state (common.wire.base.ContentError), or is not JSON at all.
         status = 400 if malformed or content_only(exc.errors()) else 422
         error = ApiError(status, "bad_request", message, field=field,
                          hint="see the request schema at /openapi.json" if not malformed else "send a JSON object")

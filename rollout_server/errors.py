@@ -1,4 +1,4 @@
-"""How the server answers errors: the one exception routes raise (an :class:`common.protocol.ErrorResponse`
+"""How the server answers errors: the one exception routes raise (an :class:`common.wire.http.ErrorResponse`
 with a status), its JSON, and the middleware that turns any other exception into a 500 of the same shape."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from common.protocol import ErrorResponse
+from common.wire.http import ErrorResponse
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 
-from common.images import InputError, image_pixels
-from common.protocol import InferItem
+from common.data.images import InputError, image_pixels
+from common.wire.http import InferItem
 from rollout_server.errors import ApiError, error_content
 
 T = TypeVar("T")

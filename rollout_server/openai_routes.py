@@ -4,16 +4,16 @@
     POST /v1/completions        prompt: str | [str] | [int] | [[int]]
     POST /v1/chat/completions   messages with text, and images as ``image_url`` data URIs
 
-The request bodies here are OpenAI's schema, not tandem's (``common.protocol``); unknown OpenAI
+The request bodies here are OpenAI's schema, not tandem's (``common.wire.http``); unknown OpenAI
 fields are accepted and ignored, as vLLM does, but the ones that would change the answer and that
 we do not implement (``n > 1``, ``stream``, ``logprobs``, ``tools``) are refused with a 400 naming
-them. Sampling maps onto :class:`common.protocol.SamplingParams` like vLLM's OpenAI server (extra
+them. Sampling maps onto :class:`common.wire.http.SamplingParams` like vLLM's OpenAI server (extra
 ``top_k``, ``repetition_penalty`` and ``ignore_eos`` accepted); ``max_tokens`` defaults to 16 for
 completions (the OpenAI default) and 512 for chat. Requests go through the same fence as /infer: the
 batch's ``ver`` is in ``system_fingerprint`` as ``ver-<n>``. Images must be ``data:`` URIs (the server
 does not download, and this route does not read server-side paths). Errors under ``/v1`` use
 OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}`` so OpenAI clients show the
-message; every other route answers with ``common.protocol.ErrorResponse``.
+message; every other route answers with ``common.wire.http.ErrorResponse``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from common.message_base import Message, content_only, error_location
-from common.protocol import (MAX_INT32, MAX_SEED, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, REPETITION_PENALTY_RANGE, ChatMessage, ChatPart,
-                             InferItem, SamplingParams, StopString, TokenId)
+from common.wire.base import Message, content_only, error_location
+from common.wire.http import (MAX_INT32, MAX_SEED, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, REPETITION_PENALTY_RANGE,
+                              ChatMessage, ChatPart, InferItem, SamplingParams, StopString, TokenId)
 from rollout_server.engines.base import Engine
 from rollout_server.errors import ApiError
 

@@ -41,7 +41,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(cfg: Any) -> int:
     """Bind ``rollout_server.host:port`` and serve until stopped: 0 stopped, 2 weight sync would be open
     beyond loopback, 3 engine failed, 4 cannot bind."""
-    from common.config_server import loopback_host
+    from common.config.server import loopback_host
 
     srv = cfg.rollout_server
     if not loopback_host(srv.host) and not srv.auth_token:  # the config rule already says so; never bind open
@@ -65,7 +65,7 @@ def run(cfg: Any, sock: socket.socket) -> int:
     """Serve on the bound ``sock`` until SIGTERM/SIGINT (0) or an engine start failure (3)."""
     import uvicorn
 
-    from common.image_size import ImageSizeError
+    from common.data.image_size import ImageSizeError
     from rollout_server.app import build_app
     from rollout_server.engines import EngineUnavailable, make_engine
 

@@ -31,21 +31,9 @@ from typing import Any
 
 import torch
 
-from common.protocol import (
-    MAX_VER_JUMP,
-    SyncAbortRequest,
-    SyncAbortResponse,
-    SyncBeginRequest,
-    SyncBeginResponse,
-    SyncBucketHeader,
-    SyncBucketResponse,
-    SyncCommitRequest,
-    SyncCommitResponse,
-    SyncInitRequest,
-    SyncInitResponse,
-    SyncIpcRequest,
-    SyncState,
-)
+from common.wire.sync import (MAX_VER_JUMP, SyncAbortRequest, SyncAbortResponse, SyncBeginRequest, SyncBeginResponse,
+                              SyncBucketHeader, SyncBucketResponse, SyncCommitRequest, SyncCommitResponse,
+                              SyncInitRequest, SyncInitResponse, SyncIpcRequest, SyncState)
 from common.tensors import packed as P
 from rollout_server.engines.base import Engine, WeightUpdateError
 from rollout_server.errors import ApiError

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from common.protocol import STREAM_MAGIC as MAGIC
-from common.protocol import SyncBucketHeader
+from common.wire.sync import STREAM_MAGIC as MAGIC
+from common.wire.sync import SyncBucketHeader
 from rollout_server.errors import ApiError
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The Stage-B configuration schema (docs/stage_b.md), loaded through the common loader.
 
 ``load_stage_b_config(path, overrides)`` reads one YAML plus dotted ``key=value`` overrides and
-reports every problem together in one :class:`common.config.ConfigError` (unknown keys, wrong
+reports every problem together in one :class:`common.config.load.ConfigError` (unknown keys, wrong
 types, and the rules in :meth:`StageBConfig.validate`), each naming the dotted key and the fix.
 
 Stage-B has its own schema, separate from the actor/learner one: it is a different job (no
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.config import doc, load_config
+from common.config.fields import doc
+from common.config.load import load_config
 
 
 @dataclass

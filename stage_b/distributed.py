@@ -35,7 +35,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from common.tensors.ranks import RankGroup
+from common.distributed.ranks import RankGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import cli
+from common.runs import cli
 
 REPO = Path(__file__).resolve().parents[1]
 

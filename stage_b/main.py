@@ -17,7 +17,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (torchrun stage_b/main.py): make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cli  # noqa: E402 - after the path fix above
+from common.runs import cli  # noqa: E402 - after the path fix above
 
 log = logging.getLogger("stage_b")
 

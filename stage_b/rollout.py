@@ -1,7 +1,7 @@
 """Per-rank rollout: the rank's shard × the decode grid × samples, parsed into candidates.
 
 Every rank loads the whole judge model (Stage-B is data-parallel over tickets) and generates
-in-process through the ``hf`` engine's synchronous generator (``common.tensors.generate``), the
+in-process through the ``hf`` engine's synchronous generator (``common.generation.generator``), the
 same code the rollout server runs, so a prompt is templated and decoded the same way in both::
 
     shard tickets ──rollout_messages(summaries, batch snapshot)──► prompts
@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from common.protocol import InferOutput, SamplingParams
+from common.wire.http import InferOutput, SamplingParams
 from stage_b.config import ReflectionConfig, SamplerConfig, StageBModelConfig
 from stage_b.distributed import Placement
 from stage_b.guidance import GuidanceSnapshot
@@ -77,7 +77,7 @@ def build_generator(sampler: SamplerConfig, model_cfg: StageBModelConfig, placem
 
         log.warning("sampler.backend=scripted: answers come from a rule-based peer, not a model (tests only)")
         return ScriptedGenerator(sampler.scripted)
-    from common.tensors.generate import HFGenerator
+    from common.generation.generator import HFGenerator
 
     model, tokenizer = load_judge(model_cfg, placement)
     return HFGenerator(model, tokenizer, placement.device, max_batch=sampler.generate_batch_size)

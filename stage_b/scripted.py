@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any, Sequence
 
-from common.protocol import InferOutput, SamplingParams
+from common.wire.http import InferOutput, SamplingParams
 from stage_b.config import ScriptedConfig
 from stage_b.prompts import REFLECTION_SYSTEM, REFLECTION_TICKET_PREFIX
 

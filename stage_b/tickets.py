@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from common.jsonl import iter_json_lines
+from common.data.jsonl import iter_json_lines
 
 LABELS = ("pass", "fail")
 

@@ -5,7 +5,7 @@
     tandem learner --nproc-per-node 2 --config C            # = torchrun --nproc_per_node 2 learner/main.py ...
 
 Each command calls its entry point's own ``main(argv)`` with the rest of the command line, so the
-arguments, ``--help``, exit codes and log format are that entry point's (``common/cli.py``). The
+arguments, ``--help``, exit codes and log format are that entry point's (``common/runs/cli.py``). The
 entry point is imported by module name only once chosen: ``tandem --help`` imports none of them. This
 is the one package that reaches every process folder; the ``python -m ...``, ``torchrun ...`` and
 ``make ...`` invocations keep working unchanged and do the same thing.
@@ -42,12 +42,12 @@ COMMANDS: dict[str, Command] = {
     "plot": Command("launcher.plot", "a run's metrics.jsonl as PNGs"),
     "summary": Command("launcher.summary", "a run's summary (what the launcher prints at the end)"),
     "warm-start": Command("learner.warm_start", "Stage-1 warm start: teach a model dir the coord-token boxes"),
-    "data": Command("common.dataset.cli", "training data: synth, convert (COCO/LVIS/ODVG), check, stats"),
+    "data": Command("common.data.cli", "training data: synth, convert (COCO/LVIS/ODVG), check, stats"),
     "tiny-model": Command("tools.make_tiny_model", "a tiny Qwen2.5-VL or (--family qwen3-vl) Qwen3-VL model dir (random weights, coord tokens)"),
     "coord-tokens": Command("tools.add_coord_tokens", "add the 1000 coord tokens to a checkpoint"),
     "tickets": Command("tools.make_tickets", "the Stage-B demo ticket set as JSONL"),
     "compose": Command("launcher.compose", "a docker compose file for a config"),
-    "config": Command("common.config_docs", "the config reference (--markdown) or a config resolved"),
+    "config": Command("common.config.docs", "the config reference (--markdown) or a config resolved"),
 }
 
 

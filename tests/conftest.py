@@ -36,7 +36,7 @@ def synth_data_dir() -> Path:
     Not ``artifacts/data/synth``: ``make data`` writes a bigger set there for the demo, and two
     parameter sets in one folder would regenerate it under each other's feet.
     """
-    from common.synthetic import ensure_synthetic_data
+    from common.data.synthetic import ensure_synthetic_data
 
     return ensure_synthetic_data(ARTIFACTS / "data" / "synth-test", n=64, seed=0)
 
@@ -72,7 +72,7 @@ TEST_DETECTOR_THREADS = 1
 @pytest.fixture(scope="session")
 def detector_data_dir() -> Path:
     """``artifacts/data/detect1-test``: what the test detector trains on (val.jsonl: 16 held-out images)."""
-    from common.synthetic import generate
+    from common.data.synthetic import generate
 
     return generate(ARTIFACTS / "data" / "detect1-test", **TEST_DETECTOR_DATA).parent
 
@@ -81,7 +81,7 @@ def detector_data_dir() -> Path:
 def tiny_detector_dir(tiny_model_dir: Path, detector_data_dir: Path) -> Path:
     """``artifacts/tiny-detector-test``: the tiny model after a Stage-1 warm start (learner/warm_start.py)
     on ``detector_data_dir``; built once, cached by its build parameters."""
-    from common.config import load_config
+    from common.config.load import load_config
     from learner.warm_start import ensure_warm_start
 
     data = detector_data_dir

@@ -6,7 +6,7 @@ import zlib
 
 import numpy as np
 
-from common.segment import IGNORE_INDEX, Segment
+from common.packing.segment import IGNORE_INDEX, Segment
 
 PATCH_DIM = 8  # pixel_values row width of factory images (real Qwen2-VL: 1176)
 #: scale, offset per column: (u8 / 255 - 0.5) / 0.5, the Qwen3-VL processor's normalisation

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from common.transport import ActorTally, CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
-from common.wire import ProtocolError, encode_credits, frames_to_pack
+from common.wire.transport import ActorTally, CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
+from common.wire.codec import ProtocolError, encode_credits, frames_to_pack
 
 
 @dataclass

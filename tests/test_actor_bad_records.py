@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from actor.loop import EXIT_OK
-from common.dataset.check import BadRecordError
+from common.data.check import BadRecordError
 from tests.fake_learner import FakeLearnerRank
 from tests.test_actor_loop import DEADLINE_S, ScriptedClient, encoder, make, run_with_deadline  # noqa: F401 - fixtures
 

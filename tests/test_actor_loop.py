@@ -15,8 +15,9 @@ import pytest
 
 from actor.client import RolloutRequestError, RolloutUnavailable
 from actor.loop import EXIT_NO_LEARNER, EXIT_OK, ActorLoop
-from common.assistant_json import IM_END, GTObject, serialize_objects
-from common.config import load_config
+from common.detection.answer import IM_END, serialize_objects
+from common.data.records import GTObject
+from common.config.load import load_config
 from tests.fake_learner import FakeLearnerRank
 from tests.ports import free_port_block
 
@@ -50,7 +51,7 @@ class ScriptedClient:
 
 @pytest.fixture(scope="module")
 def encoder(tiny_model_dir, synth_data_dir):
-    from common.tensors.encode import Encoder
+    from common.packing.encode import Encoder
 
     return Encoder(tiny_model_dir, 1024, image_root=str(synth_data_dir))
 
@@ -187,7 +188,7 @@ def test_with_a_share_of_one_pack_the_actor_fills_its_pack_instead_of_waiting_fo
 
 
 def test_credits_say_done_only_in_a_ranks_last_message_and_messages_without_it_still_decode():
-    from common.wire import ProtocolError, decode_credits, encode_credits
+    from common.wire.codec import ProtocolError, decode_credits, encode_credits
 
     fields = dict(rank=0, ver_current=3, depth=1, target=2, version_window=1, received_total=5)
     plain = encode_credits(**fields, ts=1.0)
@@ -201,7 +202,7 @@ def test_credits_say_done_only_in_a_ranks_last_message_and_messages_without_it_s
 
 
 def test_the_actor_exits_0_within_seconds_when_its_learner_rank_closes_its_ready_queue(make, encoder):
-    from common.transport import CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
+    from common.wire.transport import CreditPublisher, PackReceiver, credit_endpoint, pack_endpoint
     from learner.pack_queue import ReadyQueue
 
     loop = make(ScriptedClient(encoder.tokenizer))  # no max_samples: it runs until something stops it

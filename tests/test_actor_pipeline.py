@@ -12,11 +12,11 @@ import pytest
 from actor.credits import CreditGate, fair_share
 from actor.pipeline import COUNT_KEYS, Pipeline, Rollout, rollout_seed
 from actor.stream import PackLedger, SampleStream
-from common.checkpoints import read_b_ledger, resolve_resume_checkpoint
-from common.assistant_json import IM_END, canonical_order, serialize_objects
-from common.config import load_config
-from common.protocol import InferOutput, InferResponse
-from common.wire import Credits
+from common.runs.checkpoints import read_b_ledger, resolve_resume_checkpoint
+from common.detection.answer import IM_END, canonical_order, serialize_objects
+from common.config.load import load_config
+from common.wire.http import InferOutput, InferResponse
+from common.wire.codec import Credits
 
 # --------------------------------------------------------------------------------------------- pipeline
 
@@ -31,7 +31,7 @@ def cfg(tiny_model_dir, synth_data_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline(cfg):
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
 
     return Pipeline(cfg, encoder_from_config(cfg))
 

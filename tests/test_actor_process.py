@@ -26,7 +26,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from common.config import TransportConfig
+from common.config.schema import TransportConfig
 from tests.fake_learner import FakeLearnerRank
 from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.assistant_json import (IM_END, SYSTEM_PROMPT, SYSTEM_PROMPT_OBJECTS_ARRAY, GTObject, Prompts, Record,
-                                   coord_token, serialize_objects)
-from common.evaluation import evaluate_records
-from common.matching import hungarian_match
-from common.parsing import DROP_REASONS, parse_rollout
-from common.targets import channel_a_target, rollout_prefix_target
+from common.detection.answer import IM_END, SYSTEM_PROMPT, SYSTEM_PROMPT_OBJECTS_ARRAY, Prompts, serialize_objects
+from common.data.records import GTObject, Record, coord_token
+from common.evaluation.loop import evaluate_records
+from common.detection.matching import hungarian_match
+from common.detection.parsing import DROP_REASONS, parse_rollout
+from common.detection.targets import channel_a_target, rollout_prefix_target
 from tests.test_targets import MATCH
 from tests.test_parsing import BUCKET_CASES, box, decode, encode, examples, gt_objects, interesting_ids
 
@@ -170,7 +170,7 @@ def test_the_evaluator_scores_array_answers_and_counts_invalid_and_truncated_one
 
 
 def test_the_config_key_picks_the_format_and_its_default_instructions(tmp_path):
-    from common.config import ConfigError, load_config
+    from common.config.load import ConfigError, load_config
 
     from tests.conftest import REPO_ROOT
 
@@ -188,9 +188,9 @@ def test_the_actor_pipeline_of_an_objects_array_run_matches_array_rollouts_and_c
     import json
 
     from actor.pipeline import Pipeline, Rollout
-    from common.assistant_json import canonical_order
-    from common.config import load_config
-    from common.tensors.encode import encoder_from_config
+    from common.detection.answer import canonical_order
+    from common.config.load import load_config
+    from common.packing.encode import encoder_from_config
 
     cfg = load_config("configs/demo_cpu.yaml", [
         f"model.path={tiny_model_dir}", f"data.train_jsonl={synth_data_dir / 'train.jsonl'}",
@@ -217,7 +217,7 @@ def test_the_actor_pipeline_of_an_objects_array_run_matches_array_rollouts_and_c
 
 
 def test_the_empty_array_is_the_one_well_formed_empty_answer_and_a_bare_brace_pair_fails(tok):
-    from common.detection_eval import parse_failed
+    from common.evaluation.metrics import parse_failed
 
     empty, braces = parse(tok, '{"objects": []}'), parse(tok, "{}")
     assert empty.invalid_rollout and not empty.truncated and not parse_failed(empty)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.dataset.check import BadRecordError, start_problems
+from common.config.load import load_config
+from common.data.check import BadRecordError, start_problems
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
@@ -57,12 +57,12 @@ def test_the_learner_refuses_to_start_on_bad_records_before_writing_anything(two
 
 
 def test_skip_trains_on_the_good_record_and_logs_each_kind_once(two_of_three_bad, tiny_model_dir, caplog):
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
     from learner.data import ChannelAData
 
     cfg = cfg_of(two_of_three_bad, "data.on_bad_record=skip", model=tiny_model_dir)
     data = ChannelAData(cfg, encoder_from_config(cfg), rank=0, world_size=1, ga=1, samples=4)
-    with caplog.at_level(logging.WARNING, logger="common.dataset.check"):
+    with caplog.at_level(logging.WARNING, logger="common.data.check"):
         packs = [data.next_window(ver=0) for _ in range(3)]
     ids = {s.sample_id.split("@")[0] for window in packs for p in window for s in p.segments}
     assert ids == {"A:synth-000000"}
@@ -72,7 +72,7 @@ def test_skip_trains_on_the_good_record_and_logs_each_kind_once(two_of_three_bad
 
 
 def test_fail_stops_channel_a_at_a_bad_record_past_the_start_check(two_of_three_bad, tiny_model_dir):
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
     from learner.data import ChannelAData
 
     cfg = cfg_of(two_of_three_bad, model=tiny_model_dir)

@@ -12,11 +12,11 @@ from tests.server_proc import REPO
 
 
 @pytest.mark.slow
-def test_the_end_to_end_bench_runs_the_whole_topology_and_reports_the_run_summary(tmp_path):
+def test_the_end_to_end_bench_runs_the_whole_topology_and_reports_the_run_summary(tmp_path, tiny_model_dir):
     out = tmp_path / "e2e.json"
     proc = subprocess.run([sys.executable, "bench/bench_e2e_op.py", "--quick", "--work", str(tmp_path / "w"),
-                           "--out", str(out), "--vocab", "4096"], cwd=REPO, capture_output=True, text=True,
-                          timeout=400)
+                           "--out", str(out), "--model", str(tiny_model_dir)], cwd=REPO, capture_output=True,
+                          text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line == json.loads(out.read_text())
@@ -25,10 +25,18 @@ def test_the_end_to_end_bench_runs_the_whole_topology_and_reports_the_run_summar
     assert 0 < line["busy_fraction"] <= 1 and 0 <= line["sync_stall_share"] < 1
     assert line["tokens_per_s_median"] > 0 and line["mfu_median"] > 0 and line["peak_source"] == "measured"
     assert line["mean_fill_a"] > 0.5 and line["device"] == "cpu"
-    # the model the driver built: the widened embedding and a processor taking the --side images whole
-    model = next((tmp_path / "w").glob("model-*"))
+    assert line["model"] == str(tiny_model_dir) and line["preset"] is None and not list((tmp_path / "w").glob("model-*"))
+
+
+def test_a_preset_model_gets_the_widened_embedding_and_a_processor_taking_the_side_whole(tmp_path):
+    """What the driver builds without --model (tools/make_tiny_model.py --vocab / --max-pixels)."""
+    from tools.make_tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "m", vocab=4096, max_pixels=112 * 112)
     assert json.loads((model / "config.json").read_text())["text_config"]["vocab_size"] == 4096
     assert json.loads((model / "preprocessor_config.json").read_text())["size"]["longest_edge"] == 112 * 112
+    with pytest.raises(ValueError, match="--vocab 100 < the tokenizer's"):
+        ensure_tiny_model(tmp_path / "small", vocab=100)
 
 
 def test_the_end_to_end_bench_refuses_a_stray_argument():

@@ -15,7 +15,7 @@ sys.path[:0] = [str(REPO / "bench")]
 import bench_knobs  # noqa: E402
 import knobs_lib  # noqa: E402
 
-from common.config import ConfigError, load_config  # noqa: E402
+from common.config.load import ConfigError, load_config  # noqa: E402
 
 
 def test_every_sweep_point_is_a_valid_config_on_ports_no_other_point_uses(tmp_path):

@@ -66,7 +66,7 @@ def test_the_band_is_over_common_learner_seconds_up_to_the_shortest_run(tmp_path
 
 
 def test_a_larger_validation_set_comes_from_the_training_data_generator_and_keeps_its_val_images_first(tmp_path):
-    from common.synthetic import generate
+    from common.data.synthetic import generate
 
     train = generate(tmp_path / "d", split=(6, 2), seed=4, sides=(56,), max_objects=3)
     val = bq.larger_val_set(str(REPO / "configs/demo_cpu.yaml"), [f"data.train_jsonl={train}"], 5)
@@ -85,7 +85,7 @@ def test_a_larger_validation_set_comes_from_the_training_data_generator_and_keep
 
 def test_compare_runs_adds_the_last_val_f1_interval_and_the_paired_difference_to_the_first_run(tmp_path):
     from bench.compare_runs import compare
-    from common.eval_stats import ImageCounts, f1_interval
+    from common.evaluation.stats import ImageCounts, f1_interval
 
     def write(name: str, good: int, counts: bool = True) -> Path:
         c = ImageCounts((2,) * good + (0,) * (64 - good), (2,) * 64, (2,) * 64, (0,) * 64)

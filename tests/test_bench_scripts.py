@@ -65,7 +65,7 @@ def test_sync_order_is_a_block_per_path_warm_up_first():
 
 
 def test_server_overrides_read_back_through_the_config_loader():
-    from common.config import load_config
+    from common.config.load import load_config
 
     ov = lib.server_overrides("/tmp/m", 8123, 0.35, [0, 1], 2, 2)
     cfg = load_config(REPO / "configs/gpu/split_1p1.yaml", ov)

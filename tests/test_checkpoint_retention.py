@@ -1,4 +1,4 @@
-"""Checkpoint retention (common/retention.py) on real run directories: the newest N, the best, the final one,
+"""Checkpoint retention (common/runs/retention.py) on real run directories: the newest N, the best, the final one,
 one whose evaluation is still due; the config rules; the best checkpoint in summary.json.
 
 The run directories here are laid out as the learner lays them out (run_info.json, checkpoints/<step>/
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common import retention
-from common.config import ConfigError, load_config
+from common.runs import retention
+from common.config.load import ConfigError, load_config
 from launcher.summary import print_summary
 
 RUN_ID = "run-a"

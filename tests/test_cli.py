@@ -1,4 +1,4 @@
-"""The ``tandem`` command and the one entry helper (``common/cli.py``): every entry point answers ``--help``
+"""The ``tandem`` command and the one entry helper (``common/runs/cli.py``): every entry point answers ``--help``
 through it, config errors exit 2 naming the key, every process logs in one format, entry points stay thin."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import cli
+from common.runs import cli
 from tandem.cli import COMMANDS, LEARNER_SCRIPT, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_a_log_line_carries_process_name_rank_and_pid():
 
 
 def test_setup_logging_writes_the_format_to_stderr_and_quiets_httpx():
-    code = ("import logging; from common import cli; cli.setup_logging('actor-r0-1'); "
+    code = ("import logging; from common.runs import cli; cli.setup_logging('actor-r0-1'); "
             "logging.getLogger('actor.loop').info('hello'); logging.getLogger('httpx').info('HTTP Request: noise')")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=30)
@@ -136,7 +136,7 @@ def test_every_entry_point_is_at_most_60_lines():
             too_long.append(f"{path.relative_to(REPO)}: main() is {n} lines")
     names = {p.relative_to(REPO).as_posix() for p in whole + with_main}  # the lists found what they should
     assert {"actor/__main__.py", "rollout_server/__main__.py", "launcher/__main__.py", "evaluator/__main__.py",
-            "learner/main.py", "stage_b/main.py", "stage_b/launch.py", "learner/warm_start.py", "common/dataset/cli.py",
+            "learner/main.py", "stage_b/main.py", "stage_b/launch.py", "learner/warm_start.py", "common/data/cli.py",
             "tools/make_tiny_model.py", "launcher/plot.py", "launcher/summary.py"} <= names, names
     assert not too_long, ("entry points parse, load the config, name the process and call one run() "
-                          "(common/cli.py); move the rest into the library:\n" + "\n".join(too_long))
+                          "(common/runs/cli.py); move the rest into the library:\n" + "\n".join(too_long))

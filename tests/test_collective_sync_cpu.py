@@ -13,7 +13,7 @@ from __future__ import annotations
 import httpx
 import torch
 
-from common.protocol import InferItem, InferResponse, SamplingParams
+from common.wire.http import InferItem, InferResponse, SamplingParams
 from learner.sync.nccl import NcclWeightSender
 from common.tensors import weights as W
 from tests.server_proc import rollout_server_process
@@ -36,7 +36,8 @@ def assert_served_greedy_is_the_learners(url: str, gen, ver: int) -> None:
 def test_collective_push_over_gloo_lands_every_weight_and_reuses_the_group(tiny_model_dir):
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors.generate import HFGenerator, load_processor
+    from common.generation.generator import HFGenerator
+    from common.data.processor import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     gen = HFGenerator(model, load_processor(str(tiny_model_dir)), device="cpu", max_batch=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import ConfigError, load_config
+from common.config.load import ConfigError, load_config
 from learner.model import compile_blocks
 from tests.conftest import REPO_ROOT
 from tests.test_varlen_attention import loss_and_grads, norm_of, policy, segments

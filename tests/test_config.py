@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, load_config
-from common.config_docs import markdown_reference
+from common.config.load import ConfigError, load_config
+from common.config.docs import markdown_reference
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["model.path=m", "data.train_jsonl=d.jsonl", "stage2_ab.schedule.b_ratio=0.5"]
@@ -182,7 +182,7 @@ def test_list_element_override_is_a_config_error_not_a_crash():
 def test_docs_config_reference_is_generated_from_the_current_schema():
     committed = (REPO / "docs/config.md").read_text()
     assert committed.strip() == markdown_reference().strip(), (
-        "docs/config.md is stale: run `make docs` (python -m common.config --markdown > docs/config.md)")
+        "docs/config.md is stale: run `make docs` (python -m common.config.docs --markdown > docs/config.md)")
 
 
 # ------------------------------------------------------------------------------------------- multi-node

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import Config, ConfigError, load_config
+from common.config.schema import Config
+from common.config.load import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["model.path=m", "data.train_jsonl=d.jsonl", "stage2_ab.schedule.b_ratio=0.5"]
@@ -77,12 +78,12 @@ def test_every_key_is_read_by_some_process_or_allows_one_value_only():
     (rollout_matching.rollout_backend: vllm, kept so the origin's configs load)."""
     import inspect
 
-    from common.config import derive  # where the config itself turns keys into values (GA, effective batch)
+    from common.config.load import derive  # where the config itself turns keys into values (GA, effective batch)
 
-    config_modules = {"config.py", "config_schema.py", "config_docs.py", "config_migration.py", "config_server.py"}
+    config_modules = {f"common/config/{name}.py" for name in ("load", "schema", "docs", "migration", "server")}
     code = inspect.getsource(derive) + "\n".join(p.read_text(encoding="utf-8") for folder in ("common", "learner", "actor", "rollout_server",
                                                                    "launcher", "evaluator", "stage_b", "tandem")
-                     for p in (REPO / folder).rglob("*.py") if p.name not in config_modules)
+                     for p in (REPO / folder).rglob("*.py") if p.relative_to(REPO).as_posix() not in config_modules)
     unread = [key for key, name, tp in _leaf_fields(Config)
               if not re.search(rf"\.{name}\b", code)
               and not (typing.get_origin(tp) is typing.Literal and len(typing.get_args(tp)) == 1)]
@@ -90,7 +91,7 @@ def test_every_key_is_read_by_some_process_or_allows_one_value_only():
 
 
 def test_log_every_steps_other_than_1_refuses_a_stage2_start_and_is_the_warm_starts_alone(tmp_path):
-    from common.run_dir import StartRefused, prepare_start
+    from common.runs.output_dir import StartRefused, prepare_start
 
     cfg = load_config(None, BASE + [f"training.output_dir={tmp_path / 'run'}", "training.log_every_steps=10"])
     with pytest.raises(StartRefused, match="only the warm start reads it"):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from common.assistant_json import RecordError, iter_jsonl, load_record
-from common.config import load_config
+from common.data.records import RecordError, iter_jsonl, load_record
+from common.config.load import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
@@ -79,7 +79,7 @@ def test_data_check_of_origin_records_fails_naming_data_coord_mode_and_passes_on
 
 
 def test_the_learner_trains_the_origins_record_on_the_bins_the_origin_meant(origin_jsonl, tiny_model_dir):
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
     from learner.data import ChannelAData
 
     cfg = load_config(CONFIG, [f"model.path={tiny_model_dir}", f"data.train_jsonl={origin_jsonl}",
@@ -91,7 +91,7 @@ def test_the_learner_trains_the_origins_record_on_the_bins_the_origin_meant(orig
 
 
 def test_the_config_takes_only_the_two_modes():
-    from common.config import ConfigError
+    from common.config.load import ConfigError
 
     assert load_config(CONFIG, ["data.coord_mode=pixel"]).data.coord_mode == "pixel"
     assert load_config(CONFIG).data.coord_mode is None

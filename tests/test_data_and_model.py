@@ -8,28 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from common.assistant_json import (
-    CHAT_SPECIAL_TOKENS,
-    COORD_TOKENS,
-    IM_END,
-    IMAGE_PAD,
-    SYSTEM_PROMPT,
-    USER_PROMPT,
-    GTObject,
-    RecordError,
-    build_messages,
-    canonical_order,
-    check_desc,
-    coord_token,
-    dequantize,
-    iter_jsonl,
-    load_record,
-    parse_coord_token,
-    quantize,
-    serialize_objects,
-)
-from common.synthetic import MANIFEST, generate, render_record
-from common.tokens import CoordTokenError, contiguous_range, coord_token_ids, require_coord_tokens
+from common.detection.answer import (CHAT_SPECIAL_TOKENS, IM_END, IMAGE_PAD, SYSTEM_PROMPT, USER_PROMPT, build_messages,
+                                     canonical_order, serialize_objects)
+from common.data.records import (COORD_TOKENS, GTObject, RecordError, check_desc, coord_token, dequantize, iter_jsonl,
+                                 load_record, parse_coord_token, quantize)
+from common.data.synthetic import MANIFEST, generate, render_record
+from common.detection.coord_tokens import CoordTokenError, contiguous_range, coord_token_ids, require_coord_tokens
 
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -235,12 +219,12 @@ def test_synthetic_generation_is_skipped_when_up_to_date_and_redone_when_paramet
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not written by common.synthetic"):
+    with pytest.raises(FileExistsError, match="not written by common.data.synthetic"):
         generate(foreign, n=2)
 
 
 def test_synthetic_cli_writes_the_requested_split(tmp_path, capsys):
-    from common.synthetic import main
+    from common.data.synthetic import main
 
     assert main(["--out", str(tmp_path / "s"), "--split", "5/2", "--seed", "1"]) == 0
     assert len((tmp_path / "s" / "train.jsonl").read_text().splitlines()) == 5

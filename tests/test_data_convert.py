@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from common.assistant_json import load_record
-from common.dataset.convert import Options, convert, sanitize_desc, target_size
+from common.data.records import load_record
+from common.data.convert import Options, convert, sanitize_desc, target_size
 from tests.data_files import write_coco, write_images
 
 REPO = Path(__file__).resolve().parents[1]

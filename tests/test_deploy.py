@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import load_config
+from common.config.load import load_config
 from launcher.compose import render
 from launcher.plan import PlanError, build_plan
 

@@ -8,15 +8,9 @@ import sys
 
 import pytest
 
-from common.assistant_json import GTObject
-from common.detection_eval import (
-    ImageResult,
-    Prediction,
-    coco_map,
-    evaluate_detections,
-    object_scores,
-)
-from common.parsing import DROP_REASONS, ParsedObject, ParseResult
+from common.data.records import GTObject
+from common.evaluation.metrics import ImageResult, Prediction, coco_map, evaluate_detections, object_scores
+from common.detection.parsing import DROP_REASONS, ParsedObject, ParseResult
 
 # 999 x 999 images: a bin k is pixel k/999*999 = k, so the boxes below read the same in both spaces.
 A1, A2, B1 = (0, 0, 100, 100), (200, 200, 300, 300), (0, 0, 100, 100)
@@ -135,7 +129,7 @@ def test_object_scores_are_exp_of_the_mean_coord_logprob_or_constant_without_log
 
 
 def test_the_library_imports_without_torch():
-    code = ("import sys, common.detection_eval, common.evaluation; "
+    code = ("import sys, common.evaluation.metrics, common.evaluation.loop; "
             "bad = [m for m in ('torch', 'vllm', 'fastapi', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -151,7 +145,7 @@ def test_per_class_ap_equals_pycocotools_run_one_category_at_a_time_from_files(t
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
-    from common.detection_eval import coco_per_class
+    from common.evaluation.metrics import coco_per_class
 
     images = hand_case() + [ImageResult(
         width=500, height=400, id="C", gt=[GTObject("a", (100, 100, 600, 600)), GTObject("c", (700, 700, 900, 950))],

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.tensors.encode import Encoder
-from common.assistant_json import IM_END, build_messages, canonical_order, iter_jsonl, serialize_objects
-from common.matching import hungarian_match
-from common.parsing import parse_rollout
-from common.processor import load_processor
-from common.segment import IGNORE_INDEX, pixel_floats
-from common.targets import channel_a_target, reordered_gt_target, rollout_prefix_target
+from common.packing.encode import Encoder
+from common.detection.answer import IM_END, build_messages, canonical_order, serialize_objects
+from common.data.records import iter_jsonl
+from common.detection.matching import hungarian_match
+from common.detection.parsing import parse_rollout
+from common.data.processor import load_processor
+from common.packing.segment import IGNORE_INDEX, pixel_floats
+from common.detection.targets import channel_a_target, reordered_gt_target, rollout_prefix_target
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_position_ids_equal_the_models_own_rope_index_for_the_segment(encoder, r
 def test_a_segment_longer_than_packing_length_is_dropped_counted_and_logged_with_the_fix(tiny_model_dir, synth_data_dir,
                                                                                       records, caplog):
     short = Encoder(tiny_model_dir, packing_length=64, image_root=str(synth_data_dir))
-    with caplog.at_level(logging.WARNING, logger="common.tensors.encode"):
+    with caplog.at_level(logging.WARNING, logger="common.packing.encode"):
         segment, _ = encode_a(short, records[0])
         segment2, _ = encode_a(short, records[1])
     assert segment is None and segment2 is None

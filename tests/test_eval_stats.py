@@ -1,21 +1,14 @@
-"""How sure an evaluation is (common/eval_stats.py): the bootstrap interval of F1 over images, the paired
+"""How sure an evaluation is (common/evaluation/stats.py): the bootstrap interval of F1 over images, the paired
 first-vs-last difference the run summary prints, t-intervals over seeds, duplicates and F1 by GT count."""
 
 from __future__ import annotations
 
 import json
 
-from common.assistant_json import GTObject
-from common.detection_eval import ImageResult, Prediction, evaluate_detections
-from common.eval_stats import (
-    ImageCounts,
-    by_gt_count,
-    f1_interval,
-    paired_f1_difference,
-    paired_t_difference,
-    pooled_f1,
-    t_interval,
-)
+from common.data.records import GTObject
+from common.evaluation.metrics import ImageResult, Prediction, evaluate_detections
+from common.evaluation.stats import (ImageCounts, by_gt_count, f1_interval, paired_f1_difference, paired_t_difference,
+                                     pooled_f1, t_interval)
 
 
 def counts(rows: list[tuple[int, int, int]]) -> ImageCounts:

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.assistant_json import IM_END, canonical_order, serialize_objects
-from common.evaluation import evaluate_records, load_eval_set, rollout_item
-from common.protocol import InferItem, SamplingParams
-from common.tokens import coord_token_ids
+from common.detection.answer import IM_END, canonical_order, serialize_objects
+from common.evaluation.loop import evaluate_records, load_eval_set, rollout_item
+from common.wire.http import InferItem, SamplingParams
+from common.detection.coord_tokens import coord_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_bad_lines_and_missing_images_are_skipped_and_named(tmp_path, synth_data
 
 
 def test_the_eval_prompt_is_the_actors_rollout_prompt(tiny_model_dir, val):
-    from common.tensors.encode import Encoder
+    from common.packing.encode import Encoder
 
     enc = Encoder(tiny_model_dir, 4096, image_root=val.image_root)
     rec = val.records[0]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from common.assistant_json import GTObject
-from common.detection_eval import ImageResult, Prediction
+from common.data.records import GTObject
+from common.evaluation.metrics import ImageResult, Prediction
 from evaluator.__main__ import MAX_BATCH, MAX_TOKENS, main
 from evaluator.draw import GT_COLOR, PRED_COLOR, SCALE, draw_predictions, grid_geometry
 
@@ -112,8 +112,8 @@ def test_a_checkpoint_directory_resolves_to_its_model_folder(tmp_path, capsys):
 
 
 def test_the_flag_limits_are_the_protocol_limits():
-    from common.protocol import MAX_BATCH as PROTOCOL_MAX_BATCH
-    from common.protocol import MAX_TOKENS_LIMIT
+    from common.wire.http import MAX_BATCH as PROTOCOL_MAX_BATCH
+    from common.wire.http import MAX_TOKENS_LIMIT
 
     assert (MAX_TOKENS, MAX_BATCH) == (MAX_TOKENS_LIMIT, PROTOCOL_MAX_BATCH)
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from common.protocol import InferItem, InferResponse, SamplingParams
+from common.wire.http import InferItem, InferResponse, SamplingParams
 from common.tensors import weights as W
 from learner.sync import SyncError, cast_stream, plan
 from learner.sync.http import HttpWeightSender
@@ -64,7 +64,8 @@ class Versions:
 def versions(tiny_model_dir) -> Versions:
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors.generate import HFGenerator, load_processor
+    from common.generation.generator import HFGenerator
+    from common.data.processor import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     gen = HFGenerator(model, load_processor(str(tiny_model_dir)), max_batch=8)
@@ -301,7 +302,7 @@ def test_a_transport_failing_mid_send_gets_the_session_aborted_by_the_one_push_p
 def test_a_stalled_bucket_upload_ends_its_session_at_the_idle_timeout_and_the_fence_reopens(server, versions):
     """10 bytes of a 1000-byte bucket, then silence: the read gives up after sync_idle_timeout_s (a 408),
     the session is aborted with the old weights and ver, /health is ok again and /infer is served."""
-    from common.protocol import BUCKET_HEADER, SyncBucketHeader
+    from common.wire.sync import BUCKET_HEADER, SyncBucketHeader
     from tests.test_server_bad_input import metric, raw_http
 
     ver = current_ver(server)

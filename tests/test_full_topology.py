@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from common.schedule import wants_b
+from common.packing.schedule import wants_b
 from tests.ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[1]

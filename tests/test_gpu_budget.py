@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
+from common.config.load import load_config
 from launcher import gpu_budget as G
 from launcher.plan import PlanError, build_plan
 

@@ -38,7 +38,7 @@ import httpx
 import pytest
 import torch
 
-from common.protocol import InferResponse
+from common.wire.http import InferResponse
 from tests.server_proc import REPO, rollout_server_process
 
 try:
@@ -103,7 +103,8 @@ class Learner:
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-        from common.tensors.generate import HFGenerator, load_processor
+        from common.generation.generator import HFGenerator
+        from common.data.processor import load_processor
 
         torch.cuda.set_device(LEARNER_GPU)
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16,
@@ -128,7 +129,7 @@ class Learner:
 
     def greedy(self, k: int) -> list[int]:
         if k not in self.expected:
-            from common.protocol import SamplingParams
+            from common.wire.http import SamplingParams
 
             self.set_version(k)
             self.expected[k] = self.gen.generate([self.prompt_ids], [None], SamplingParams(**GREEDY))[0].token_ids

@@ -64,7 +64,7 @@ def _sender(port: int, out: str) -> None:
 def _receiver(port: int, out: str) -> None:
     import types
 
-    from common.protocol import SyncBucketHeader
+    from common.wire.sync import SyncBucketHeader
     from rollout_server.engines.hf import HFEngine
 
     engine = HFEngine("unused")
@@ -114,7 +114,8 @@ def hf_server_on_gpu0(model_dir: Path):
 def learner_model(tiny_model_dir):
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors.generate import HFGenerator, load_processor
+    from common.generation.generator import HFGenerator
+    from common.data.processor import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda:1")
     return model, HFGenerator(model, load_processor(str(tiny_model_dir)), device="cuda:1", max_batch=4)

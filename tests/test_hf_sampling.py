@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from common.protocol import SamplingParams
-from common.tensors.sampling import VLLMSampler, finish_row
+from common.wire.http import SamplingParams
+from common.generation.sampling import VLLMSampler, finish_row
 
 
 def choose(sampler: VLLMSampler, ids: list[list[int]], logits: list[list[float]]) -> list[int]:

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from common.protocol import SamplingParams
+from common.wire.http import SamplingParams
 
 
 PROMPT = [{"role": "user", "content": "Detect all objects."}]
@@ -23,7 +23,8 @@ def generator_stopping_at_its_first_token(tiny_model_dir):
     """An HFGenerator whose eos is the token greedy decoding of PROMPT picks first, and that token."""
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors.generate import HFGenerator, load_processor
+    from common.generation.generator import HFGenerator
+    from common.data.processor import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     processor = load_processor(str(tiny_model_dir))

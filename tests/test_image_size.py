@@ -1,5 +1,5 @@
 """``data.min_pixels`` / ``data.max_pixels``: one image size for the learner's encoder, the rollout server and the
-evaluator, checked at start and on every prompt (common/image_size.py).
+evaluator, checked at start and on every prompt (common/data/image_size.py).
 
 The tiny models resize the synthetic 112-px images to 16 image tokens by their own preprocessor configs; with
 ``data.max_pixels`` at 56² (Qwen2.5-VL, sides a multiple of 28) or 64² (Qwen3-VL, 32) every process sees 4.
@@ -20,12 +20,13 @@ import pytest
 import yaml
 
 from actor.client import RolloutClient
-from common import image_size
-from common.assistant_json import canonical_order, iter_jsonl
-from common.config import ConfigError, load_config
-from common.protocol import HealthResponse, InferResponse
-from common.targets import channel_a_target
-from common.tensors.encode import Encoder, encoder_from_config
+from common.data import image_size
+from common.detection.answer import canonical_order
+from common.data.records import iter_jsonl
+from common.config.load import ConfigError, load_config
+from common.wire.http import HealthResponse, InferResponse
+from common.detection.targets import channel_a_target
+from common.packing.encode import Encoder, encoder_from_config
 from tests.server_proc import REPO, rollout_server_process
 
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
@@ -86,7 +87,7 @@ def test_bad_image_sizes_are_refused_at_load_naming_the_key_and_the_fix(tiny_mod
 
 
 def test_the_processor_refuses_a_size_the_model_cannot_take_even_without_the_config_check(tiny_model_dir):
-    from common.processor import load_processor
+    from common.data.processor import load_processor
 
     with pytest.raises(image_size.ImageSizeError, match=r"data\.max_pixels = 100: below one merged patch"):
         load_processor(tiny_model_dir, max_pixels=100)
@@ -162,7 +163,7 @@ def test_a_server_given_another_size_is_caught_at_start_and_per_prompt_with_the_
     assert why is not None and "max_pixels 3136" in why and "12544" in why, why
     assert "data.min_pixels / data.max_pixels" in why and "python -m rollout_server --config my.yaml" in why
     ours = encoder.prompt(record, encoder.image_paths(record))["input_ids"]
-    with caplog.at_level(logging.ERROR, logger="common.tensors.encode"):
+    with caplog.at_level(logging.ERROR, logger="common.packing.encode"):
         assert not encoder.check_server_prompt(record.id, server_prompt(small_server, encoder, record), ours)
     assert encoder.counters["prompt_mismatch"] == 1
     small = image_size.ImagePixels(56 * 56, 56 * 56, 28)
@@ -250,7 +251,7 @@ def test_an_actor_whose_encoder_resizes_otherwise_exits_2_at_start_naming_the_fi
 
 
 def test_the_data_checker_counts_tokens_at_the_configured_size(tiny_model_dir, synth_data_dir, capsys):
-    from common.dataset.cli import main
+    from common.data.cli import main
 
     args = ["stats", str(synth_data_dir / "val.jsonl"), "--config", str(CONFIG), f"model.path={tiny_model_dir}",
             f"data.image_root={synth_data_dir}"]

@@ -1,7 +1,9 @@
 """The layout is the architecture: which folder may import which, file sizes, no shadowed stdlib names.
 
-Process folders (one per process kind) meet only through ``common/`` (contracts, no torch) and
-``common/tensors/`` (shared code that needs torch, never fastapi or vLLM). The one import allowed
+Process folders (one per process kind) meet only through ``common/``: subpackages by concept (config, wire,
+detection, evaluation, packing, data, runs), torch-free, and the few that need torch (``TORCH_PACKAGES``:
+weight tensors, generation, rank groups; never fastapi or vLLM). ``common/`` has no module of its own, and a
+name is imported from the module that defines it, never through a re-export. The one import allowed
 between process folders is ``learner/modes.py`` → ``actor/``: the one-process modes run the actor's
 pipeline as a library. ``tandem/`` is the console command above every process folder; it reaches
 them by module name only. docs/architecture.md draws the same rules.
@@ -19,6 +21,10 @@ PROCESS_FOLDERS = ("actor", "learner", "rollout_server", "stage_b", "launcher", 
 ALLOWED_CROSSING = {("learner/modes.py", "actor")}
 MAX_LINES = 450
 HEAVY_FOR_COMMON = ("torch", "fastapi", "vllm", "uvicorn", "transformers")
+#: The subpackages of ``common/`` whose modules may import torch at module level (never fastapi or vLLM).
+TORCH_PACKAGES = ("tensors", "generation", "distributed")
+#: Where importers live: every folder of Python code, and the top-level conftest.
+ALL_CODE = (*PROCESS_FOLDERS, "common", "tandem", "tools", "bench", "tests")
 
 
 def source_files(*tops: str) -> list[Path]:
@@ -51,7 +57,7 @@ def test_process_folders_import_each_other_only_where_allowed():
             top = module.split(".")[0]
             if top in PROCESS_FOLDERS and top != own and (rel(path), top) not in ALLOWED_CROSSING:
                 crossings.append(f"{rel(path)}:{line} imports {module}")
-    assert not crossings, ("imports between process folders (move the shared code to common/ or common/tensors/):\n"
+    assert not crossings, ("imports between process folders (move the shared code to a package of common/):\n"
                            + "\n".join(crossings))
 
 
@@ -64,7 +70,7 @@ def test_the_allowed_crossing_is_still_used():
 def test_common_has_no_heavy_module_level_imports_and_tensors_no_server_ones():
     bad = []
     for path in source_files("common"):
-        in_tensors = "tensors" in path.relative_to(REPO / "common").parts
+        in_tensors = path.relative_to(REPO / "common").parts[0] in TORCH_PACKAGES
         forbidden = ("fastapi", "vllm", "uvicorn") if in_tensors else HEAVY_FOR_COMMON
         for line, module in imports(path, module_level_only=not in_tensors):
             if module.split(".")[0] in forbidden:
@@ -120,3 +126,78 @@ def test_code_and_docs_cite_only_documents_the_repository_holds():
     for p in files:  # every "docs/<name>.md" named anywhere exists
         for name in re.findall(r"\bdocs/([a-z_]+\.md)\b", p.read_text(encoding="utf-8", errors="replace")):
             assert (REPO / "docs" / name).exists(), f"{rel(p)} cites docs/{name}, which does not exist"
+
+
+def test_common_is_subpackages_only_each_init_a_docstring():
+    """``common/`` holds packages by concept: no module in its root, and no package ``__init__`` that does more than
+    say what the package is (a façade of re-exports hides where a name is defined)."""
+    loose = [rel(p) for p in (REPO / "common").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, "move these into the common/ subpackage of their concept:\n" + "\n".join(loose)
+    busy = []
+    for init in sorted((REPO / "common").rglob("__init__.py")):
+        body = ast.parse(init.read_text(encoding="utf-8")).body
+        if len(body) > 1 or (body and not (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                                           and isinstance(body[0].value.value, str))):
+            busy.append(rel(init))
+    assert not busy, "a package __init__.py holds its docstring only:\n" + "\n".join(busy)
+
+
+def _module_file(module: str) -> Path | None:
+    base = REPO.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _defined_names(path: Path) -> set[str]:
+    """Names a module defines at top level (in ``if``/``try`` blocks too); imported names are not among them."""
+    names = {"__name__", "__file__", "__doc__", "__path__", "__spec__", "__all__"}
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                              *[h.body for h in getattr(node, "handlers", [])]):
+                    visit(block)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return names
+
+
+def test_common_names_are_imported_from_the_module_that_defines_them():
+    """``from common.x import Name`` names the module that defines ``Name`` (or a submodule of the package ``x``);
+    so does ``alias.Name`` for a module imported as ``alias``. A re-export (the old protocol and config
+    modules handed out 50 names this way) hides where a name is defined."""
+    defined: dict[str, set[str]] = {}
+
+    def defines(module: str, name: str) -> bool:
+        if module not in defined:
+            path = _module_file(module)
+            defined[module] = _defined_names(path) if path else set()
+        return name in defined[module] or _module_file(f"{module}.{name}") is not None
+
+    bad = []
+    for path in [*source_files(*ALL_CODE), REPO / "conftest.py"]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "common":
+                for a in node.names:
+                    if _module_file(f"{node.module}.{a.name}") is not None:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    elif a.name != "*" and not defines(node.module, a.name):
+                        bad.append(f"{rel(path)}:{node.lineno}: {a.name} from {node.module}, which does not define it")
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("common.")})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and not defines(aliases[node.value.id], node.attr)):
+                bad.append(f"{rel(path)}:{node.lineno}: {node.value.id}.{node.attr}: "
+                           f"{aliases[node.value.id]} does not define {node.attr}")
+    assert not bad, "import each name from the module that defines it:\n" + "\n".join(bad)

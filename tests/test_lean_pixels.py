@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.segment import Pack, Segment, SegmentError, pixel_floats
-from common.tensors.encode import pixel_affine, to_uint8_pixels
+from common.packing.segment import Pack, Segment, SegmentError, pixel_floats
+from common.packing.encode import pixel_affine, to_uint8_pixels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def images(sides, seed=0):
 
 @pytest.fixture(scope="module")
 def tiny_processor(tiny_model_dir):
-    from common.processor import load_processor
+    from common.data.processor import load_processor
 
     return load_processor(tiny_model_dir).image_processor
 
@@ -59,7 +59,7 @@ def segment_of(pixels: np.ndarray, affine: np.ndarray, grid: list[int], sample_i
 @pytest.mark.parametrize("which", ["tiny", "tiny_1024px", "qwen3_style"])
 def test_the_learners_decoded_pixel_values_equal_the_image_processors_floats(which, tiny_processor):
     """Processor floats -> uint8 + affine -> pack -> wire frames -> learner pack_inputs (float32 and bf16)."""
-    from common.wire import frames_to_pack, pack_to_frames
+    from common.wire.codec import frames_to_pack, pack_to_frames
     from learner.model import pack_inputs
 
     if which == "qwen3_style":
@@ -113,7 +113,7 @@ def test_processor_floats_that_are_not_uint8_levels_are_refused_naming_the_devia
 
 
 def test_a_pack_refuses_float_pixels_and_mixed_normalisations_and_the_wire_refuses_a_missing_affine(tiny_processor):
-    from common.wire import ProtocolError, encode_pack_message, frames_to_pack
+    from common.wire.codec import ProtocolError, encode_pack_message, frames_to_pack
 
     out = tiny_processor(images=images([(64, 64)]), return_tensors="np")
     pv, grid = np.asarray(out["pixel_values"], np.float32), out["image_grid_thw"][0].tolist()

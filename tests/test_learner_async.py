@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from common.config import load_config
+from common.config.load import load_config
 from learner.pack_queue import COUNTER_NAMES
 from tests.test_learner_harness import (
     FakeActor,

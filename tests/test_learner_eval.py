@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from common.config import load_config
-from common.evaluation import HttpInfer, InferError, greedy_sampling, rollout_item
-from common.protocol import InferRequest, InferResponse
+from common.config.load import load_config
+from common.evaluation.loop import HttpInfer, InferError, greedy_sampling, rollout_item
+from common.wire.http import InferRequest, InferResponse
 from learner.evaluation import PeriodicEval
 from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process
@@ -265,7 +265,7 @@ def test_the_learner_starts_an_evaluation_at_the_first_committed_push_from_each_
 
 
 def test_http_infer_sends_min_ver_only_when_given(synth_data_dir):
-    from common.assistant_json import iter_jsonl
+    from common.data.records import iter_jsonl
 
     rec = next(iter(iter_jsonl(synth_data_dir / "val.jsonl")))
     item = rollout_item(rec, [str(p) for p in rec.image_paths(synth_data_dir)], item_id="x")
@@ -285,7 +285,7 @@ def test_http_infer_sends_min_ver_only_when_given(synth_data_dir):
 @pytest.mark.slow
 def test_an_infer_with_min_ver_above_the_servers_ver_waits_for_the_push_that_reaches_it(server, tiny_model_dir,
                                                                                        synth_data_dir):
-    from common.assistant_json import iter_jsonl
+    from common.data.records import iter_jsonl
 
     before = server_ver(server.url)
     rec = next(iter(iter_jsonl(synth_data_dir / "val.jsonl")))
@@ -311,7 +311,7 @@ def test_an_infer_with_min_ver_above_the_servers_ver_waits_for_the_push_that_rea
 
 @pytest.mark.slow
 def test_an_infer_whose_min_ver_is_never_reached_fails_naming_the_wait(tiny_model_dir, synth_data_dir):
-    from common.assistant_json import iter_jsonl
+    from common.data.records import iter_jsonl
 
     rec = next(iter(iter_jsonl(synth_data_dir / "val.jsonl")))
     item = rollout_item(rec, [str(p) for p in rec.image_paths(synth_data_dir)])

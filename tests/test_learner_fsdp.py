@@ -30,7 +30,7 @@ from typing import Any
 def test_adamw_impl_picks_torchs_fused_kernel_where_it_exists_and_honours_an_explicit_choice():
     import torch
 
-    from common.config import ConfigError, load_config
+    from common.config.load import ConfigError, load_config
     from learner.model import adamw_fused, build_optimizer
 
     repo = Path(__file__).resolve().parents[1]
@@ -69,8 +69,8 @@ def rank_main(config: str, steps: int, out: str, overrides: list[str] = ()) -> i
     only), a result file. Also a GPU probe: ``python tests/test_learner_fsdp.py CONFIG STEPS OUT [key=value ...]``."""
     import torch
 
-    from common import cli
-    from common.config import load_config
+    from common.runs import cli
+    from common.config.load import load_config
     from learner.distributed import Dist, env_world_size
     from learner.rank import Learner
     from learner.train import async_step
@@ -109,7 +109,7 @@ class _Run:
 
     def __init__(self, tmp: Path, name: str, nproc: int, model_dir: Path, data_dir: Path, pool: Any,
                  **learner: Any) -> None:
-        from common.config import load_config
+        from common.config.load import load_config
         from tests.test_learner_harness import FakeActor, Proc, keep_at_target, write_config
 
         self.name, self.nproc, self.out = name, nproc, tmp / name
@@ -293,7 +293,7 @@ def _grad_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from common.segment import Pack
+    from common.packing.segment import Pack
     from learner import parallel
     from learner.loss import LossWeights, Normaliser, pack_loss
     from learner.model import forward_rows, load_policy, pack_inputs
@@ -352,7 +352,7 @@ def test_fsdp_gradients_equal_ddps_when_one_ranks_pack_has_no_image(tiny_model_d
 
 
 def test_learner_parallel_fsdp_is_accepted_and_a_bad_value_is_refused_naming_the_key():
-    from common.config import ConfigError, load_config
+    from common.config.load import ConfigError, load_config
 
     repo = Path(__file__).resolve().parents[1]
     cfg = load_config(repo / "configs/demo_cpu.yaml", ["learner.parallel=fsdp", "learner.fsdp.cpu_offload=true"])

@@ -21,8 +21,8 @@ import sys
 import pytest
 import torch
 
-from common.checkpoints import NotACheckpoint, checkpoint_parallel
-from common.schedule import wants_b
+from common.runs.checkpoints import NotACheckpoint, checkpoint_parallel
+from common.packing.schedule import wants_b
 from tests.test_learner_harness import REPO, SegmentPool, private_copy, read_metrics, write_config
 from tests.test_learner_resume import train
 
@@ -164,7 +164,7 @@ def test_a_ddp_checkpoint_resumes_in_an_fsdp_run_with_its_adamw_state_sharded_on
 def test_export_of_an_fsdp_checkpoint_is_an_hf_directory_with_its_full_weights(runs, tmp_path):
     from transformers import AutoTokenizer
 
-    from common.processor import load_processor
+    from common.data.processor import load_processor
 
     out = tmp_path / "exported"
     proc = subprocess.run([sys.executable, "-m", "learner.export", "--checkpoint", str(runs["ckpt_n"]), "--out", str(out)],

@@ -178,9 +178,10 @@ class SegmentPool:
     """Real encoded segments of the synthetic records (tiny model's processor), reused under new ids."""
 
     def __init__(self, model_dir: Path, data_dir: Path, n: int = 3, packing_length: int = 768) -> None:
-        from common.tensors.encode import Encoder
-        from common.assistant_json import canonical_order, load_record
-        from common.targets import channel_a_target
+        from common.packing.encode import Encoder
+        from common.detection.answer import canonical_order
+        from common.data.records import load_record
+        from common.detection.targets import channel_a_target
 
         enc = Encoder(model_dir, packing_length, image_root=str(data_dir))
         lines = (data_dir / "train.jsonl").read_text().splitlines()
@@ -195,7 +196,7 @@ class SegmentPool:
                 break
 
     def pack(self, sample_id: str, ver: int):
-        from common.segment import Pack
+        from common.packing.segment import Pack
 
         seg = replace(self.segments[zlib.crc32(sample_id.encode()) % len(self.segments)], sample_id=sample_id, ver=ver, channel="B")
         return Pack(ver=ver, channel="B", segments=[seg])
@@ -221,8 +222,8 @@ class FakeActor(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        from common.transport import CreditSubscriber, PackSender, credit_endpoint, pack_endpoint
-        from common.wire import pack_to_frames
+        from common.wire.transport import CreditSubscriber, PackSender, credit_endpoint, pack_endpoint
+        from common.wire.codec import pack_to_frames
 
         sender = PackSender(pack_endpoint(self.transport_cfg, self.rank), hwm=16)
         sub = CreditSubscriber(credit_endpoint(self.transport_cfg, self.rank))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.config import ConfigError, load_config
+from common.config.load import ConfigError, load_config
 from learner.train import run as learner_run
 from tests.test_learner_harness import (
     http_text,

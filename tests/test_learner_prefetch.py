@@ -13,8 +13,8 @@ import traceback
 import numpy as np
 import pytest
 
-from common.config import load_config
-from common.segment import Pack
+from common.config.load import load_config
+from common.packing.segment import Pack
 from learner.data import ChannelAData
 from learner.prefetch import ChannelAPrefetcher, ChannelAPrefetchError
 from tests.factories import make_segment
@@ -42,7 +42,7 @@ def consumed(state: dict) -> dict:
 @pytest.fixture(scope="module")
 def make_data(tiny_model_dir, synth_data_dir, tmp_path_factory):
     """A fresh ChannelAData with its own Encoder (one per thread); every window carries (learner/data.py)."""
-    from common.tensors.encode import encoder_from_config
+    from common.packing.encode import encoder_from_config
 
     tmp = tmp_path_factory.mktemp("prefetch")
     path = write_config(tmp / "cfg.yaml", model_dir=tiny_model_dir, data_dir=synth_data_dir, output_dir=tmp / "out",

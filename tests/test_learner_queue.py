@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.segment import Pack
-from common.wire import decode_credits, pack_to_frames
+from common.packing.segment import Pack
+from common.wire.codec import decode_credits, pack_to_frames
 from learner.decision import decide_step
 from learner.distributed import Dist
 from learner.pack_queue import COUNTER_NAMES, ReadyQueue

@@ -16,8 +16,8 @@ from collections import defaultdict
 
 import pytest
 
-from common.config import load_config
-from common.schedule import wants_b
+from common.config.load import load_config
+from common.packing.schedule import wants_b
 from tests.test_learner_harness import (
     FakeActor,
     SegmentPool,

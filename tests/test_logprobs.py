@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.protocol import InferOutput, InferResponse, SamplingParams
-from common.tensors.sampling import VLLMSampler, finish_row
+from common.wire.http import InferOutput, InferResponse, SamplingParams
+from common.generation.sampling import VLLMSampler, finish_row
 
 CPU = torch.device("cpu")
 
@@ -26,7 +26,8 @@ def tiny(tiny_model_dir):
     """(model, HFGenerator) on CPU in float32."""
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors.generate import HFGenerator, load_processor
+    from common.generation.generator import HFGenerator
+    from common.data.processor import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     return model, HFGenerator(model, load_processor(str(tiny_model_dir)), device="cpu", max_batch=8)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.segment import IGNORE_INDEX, Pack, Segment
+from common.packing.segment import IGNORE_INDEX, Pack, Segment
 from learner.loss import (
     LossWeights,
     Normaliser,

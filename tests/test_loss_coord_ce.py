@@ -95,7 +95,7 @@ def test_a_pack_without_boxes_has_zero_coord_ce_and_stays_finite():
 def test_the_learner_gives_coord_ce_to_channel_a_packs_only(tmp_path, tiny_model_dir, synth_data_dir, monkeypatch):
     """Learner.forward_backward picks its LossWeights by channel; the model call is replaced by fixed logits."""
     import learner.rank as rank_mod
-    from common.config import load_config
+    from common.config.load import load_config
     from learner.metrics import RankStats
     from tests.test_learner_harness import write_config
 

@@ -161,7 +161,7 @@ def policy(tiny_model_dir):
 
 
 def pack_of(model, tokenizer, coord_ids, seeds, images=(1, 2, 0)):
-    from common.segment import Pack
+    from common.packing.segment import Pack
     from learner.model import pack_inputs
     from tests.test_loss import image_segment
 
@@ -212,7 +212,7 @@ def test_the_chunked_head_of_an_image_less_pack_still_reaches_every_vision_param
 def test_training_loss_head_reaches_the_learner_and_a_bad_value_names_the_key(tmp_path, tiny_model_dir, synth_data_dir,
                                                                              monkeypatch):
     import learner.rank as rank_mod
-    from common.config import ConfigError, load_config
+    from common.config.load import ConfigError, load_config
     from learner.metrics import RankStats
     from tests.test_learner_harness import write_config
 

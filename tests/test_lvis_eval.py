@@ -1,4 +1,4 @@
-"""LVIS-style federated AP (common/lvis_eval.py) on a hand-worked case, and the eval set reading its record keys."""
+"""LVIS-style federated AP (common/evaluation/lvis.py) on a hand-worked case, and the eval set reading its record keys."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 from PIL import Image
 
-from common.assistant_json import GTObject
-from common.detection_eval import ImageResult, Prediction, coco_per_class, evaluate_detections
-from common.evaluation import load_eval_set
-from common.lvis_eval import Federated, lvis_map
+from common.data.records import GTObject
+from common.evaluation.metrics import ImageResult, Prediction, coco_per_class, evaluate_detections
+from common.evaluation.loop import load_eval_set
+from common.evaluation.lvis import Federated, lvis_map
 
 BOX, OTHER = (0, 0, 100, 100), (500, 500, 600, 600)
 

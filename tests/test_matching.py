@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from common.matching import box_iou, hungarian_match, precision_recall_f1
+from common.detection.matching import box_iou, hungarian_match, precision_recall_f1
 
 
 def random_box(rng: random.Random, hi: int) -> list[int]:

@@ -204,7 +204,7 @@ def test_learner_nodes_that_do_not_share_output_dir_are_refused_on_every_rank(tm
 
 def test_a_peer_failure_inside_a_step_is_reraised_naming_this_rank_and_its_node(monkeypatch):
     """DDP's own all-reduce fails with gloo's words when a peer dies; the learner says which node it is on."""
-    from common.tensors.ranks import RankGroup
+    from common.distributed.ranks import RankGroup
     from learner.distributed import CollectiveTimeout, Dist
 
     for key, value in {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}.items():

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from common.checkpoints import latest_checkpoint, resolve_resume_checkpoint
-from common.config import load_config
-from common.run_dir import StartRefused, prepare_start
+from common.runs.checkpoints import latest_checkpoint, resolve_resume_checkpoint
+from common.config.load import load_config
+from common.runs.output_dir import StartRefused, prepare_start
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import zmq
 
-from common.segment import REJECT_REASONS, Pack, PackLimits
-from common.transport import PackReceiver, max_frame_bytes
-from common.wire import pack_to_frames
+from common.packing.segment import REJECT_REASONS, Pack, PackLimits
+from common.wire.transport import PackReceiver, max_frame_bytes
+from common.wire.codec import pack_to_frames
 from learner.pack_queue import REJECTED, ReadyQueue
 from tests.factories import GRID_THW, PATCH_DIM, make_segment
 from tests.ports import free_port_block
@@ -167,7 +167,7 @@ def test_the_queue_takes_its_limits_from_the_model(learner):
     assert (lim.vocab_size, lim.packing_length, lim.rope_rows) == (emb, 768, 3)
     assert lim.image_token_id == learner.hf_model.config.image_token_id and lim.merge_size == 2
     assert lim.largest_frame_bytes() <= max_frame_bytes(learner.cfg.transport, 768)  # checked at setup
-    from common.segment import pack_rejection
+    from common.packing.segment import pack_rejection
     from learner.metrics import RankStats
 
     window = learner.take_a_window(RankStats())  # real encoded packs (images, mRoPE positions) are admitted
@@ -207,7 +207,7 @@ def torch_equal(a, b) -> bool:
 
 def _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, overrides=()):
     """A new one-rank learner of the test config (not yet set up): for what the module's shared one has used up."""
-    from common.config import load_config
+    from common.config.load import load_config
     from learner.distributed import Dist
     from learner.rank import Learner
     from learner.run_record import start_run
@@ -222,7 +222,7 @@ def _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, overrides=()):
 
 def test_a_frame_cap_below_the_models_largest_legal_pack_is_refused_at_setup_naming_the_key(tmp_path, tiny_model_dir,
                                                                                             synth_data_dir):
-    from common.config import ConfigError
+    from common.config.load import ConfigError
 
     # a tiny-model pack of 768 tokens can carry ~3.4 MiB of uint8 pixel_values
     lrn = _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, ["transport.max_frame_mb=1"])

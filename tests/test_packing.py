@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.packing import Packer
-from common.segment import Pack, Segment
+from common.packing.packer import Packer
+from common.packing.segment import Pack, Segment
 from tests.factories import make_segment
 
 
@@ -87,7 +87,7 @@ def test_a_fifo_prefix_is_taken_when_it_is_the_fullest_selection():
 def test_the_selection_finds_the_fullest_subset_that_fits(lengths, room):
     from itertools import combinations
 
-    from common.packing import _best_subset
+    from common.packing.packer import _best_subset
 
     picked = _best_subset(lengths, room)
     best = max(sum(c) for k in range(len(lengths) + 1) for c in combinations(lengths, k) if sum(c) <= room)
@@ -283,7 +283,7 @@ def test_mean_fill_on_a_realistic_length_mix_is_at_least_85_percent():
 def test_a_pack_mixing_pixel_widths_raises_a_segment_error_naming_the_widths():
     import numpy as np
 
-    from common.segment import Pack, SegmentError
+    from common.packing.segment import Pack, SegmentError
 
     a = make_segment(20, ver=1, sample_id="a", n_images=1)
     b = make_segment(20, ver=1, sample_id="b", n_images=1)

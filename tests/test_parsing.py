@@ -11,10 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.assistant_json import IM_END, GTObject, check_desc, coord_token, serialize_objects
-from common.parsing import DROP_REASONS, parse_rollout
-from common.token_text import cut_tokens_at_char
-from common.tokens import coord_token_ids
+from common.detection.answer import IM_END, serialize_objects
+from common.data.records import GTObject, check_desc, coord_token
+from common.detection.parsing import DROP_REASONS, parse_rollout
+from common.detection.token_text import cut_tokens_at_char
+from common.detection.coord_tokens import coord_token_ids
 
 
 def examples(n: int) -> settings:

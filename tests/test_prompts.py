@@ -1,7 +1,7 @@
 """The run's prompts (``data.system_prompt`` / ``data.user_prompt``) reach every place a prompt is built.
 
 Teacher forcing (Encoder.prompt), the actor's /infer item (Encoder.prompt_for_rollout), the evaluation's
-item (common.evaluation.rollout_item / evaluate_records), and the rollout server's templating of that
+item (common.evaluation.loop.rollout_item / evaluate_records), and the rollout server's templating of that
 item must all agree, or Channel-B splices rollouts after a prompt the model never saw.
 """
 
@@ -14,11 +14,12 @@ import httpx
 import numpy as np
 import pytest
 
-from common.tensors.encode import Encoder, encoder_from_config
-from common.assistant_json import DEFAULT_PROMPTS, SYSTEM_PROMPT, USER_PROMPT, Prompts, iter_jsonl
-from common.config import load_config
-from common.evaluation import evaluate_records, rollout_item
-from common.protocol import InferResponse
+from common.packing.encode import Encoder, encoder_from_config
+from common.detection.answer import DEFAULT_PROMPTS, SYSTEM_PROMPT, USER_PROMPT, Prompts
+from common.data.records import iter_jsonl
+from common.config.load import load_config
+from common.evaluation.loop import evaluate_records, rollout_item
+from common.wire.http import InferResponse
 from tests.server_proc import rollout_server_process
 from tests.test_learner_harness import write_config
 

@@ -17,17 +17,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from common import protocol as P
-from common.segment import Pack
+from common.wire import codec as W
+from common.wire import http as P
+from common.wire import sync as S
+from common.packing.segment import Pack
 from tests.factories import make_segment
 
-# Every message model common.protocol offers, its own and the /sync/* ones it re-exports.
+# Every HTTP message model: the rollout server's own (common/wire/http.py) and the /sync/* ones (common/wire/sync.py).
 HTTP_MODELS = sorted(
     (
         obj
-        for name, obj in vars(P).items()
+        for module in (P, S)
+        for name, obj in vars(module).items()
         if isinstance(obj, type) and issubclass(obj, BaseModel) and name[0] != "_"
-        and obj.__module__ in (P.__name__, "common.sync_messages")
+        and obj.__module__ == module.__name__
     ),
     key=lambda m: m.__name__,
 )
@@ -124,18 +127,18 @@ def test_sampling_values_no_engine_can_take_are_rejected_naming_the_field(bad, f
 
 
 def test_every_ver_on_the_wire_is_bounded_well_inside_int64():
-    assert P.MAX_VER < 2**63 and float(P.MAX_VER) == P.MAX_VER  # exact in JSON numbers and msgpack int64
+    assert S.MAX_VER < 2**63 and float(S.MAX_VER) == S.MAX_VER  # exact in JSON numbers and msgpack int64
     item = {"prompt_token_ids": [1]}
     with pytest.raises(ValidationError, match="min_ver"):
-        P.SyncCommitRequest(session="s", n_buckets=0, min_ver=10**30)
+        S.SyncCommitRequest(session="s", n_buckets=0, min_ver=10**30)
     with pytest.raises(ValidationError, match="min_ver"):
         P.InferRequest(items=[item], sampling={"max_tokens": 8}, min_ver=2**64)
     for model, fields in ((P.InferResponse, {"outputs": [], "engine": "hf", "elapsed_s": 0.0}),
-                          (P.SyncCommitResponse, {"commit_s": 0.0, "fingerprint": "f"}),
-                          (P.SyncAbortResponse, {"state": "idle", "aborted": True})):
+                          (S.SyncCommitResponse, {"commit_s": 0.0, "fingerprint": "f"}),
+                          (S.SyncAbortResponse, {"state": "idle", "aborted": True})):
         with pytest.raises(ValidationError, match="ver"):
-            model(ver=P.MAX_VER + 1, **fields)
-        model(ver=P.MAX_VER, **fields)
+            model(ver=S.MAX_VER + 1, **fields)
+        model(ver=S.MAX_VER, **fields)
     with pytest.raises(ValidationError, match="prompt_token_ids"):
         P.InferItem(prompt_token_ids=[2**40])
 
@@ -150,24 +153,24 @@ def test_batch_size_is_bounded():
 
 def test_health_response_carries_the_schema_version_under_the_key_schema():
     health = P.HealthResponse(status="ok", engine="hf", model="m", ver=0, sync_state="idle", world_size=1)
-    assert json.loads(health.model_dump_json())["schema"] == P.SCHEMA_VERSION
+    assert json.loads(health.model_dump_json())["schema"] == W.SCHEMA_VERSION
 
 
 def test_nccl_sync_init_without_rendezvous_is_rejected():
     with pytest.raises(ValidationError, match="master_addr"):
-        P.SyncInitRequest(client="learner-rank0", transport="nccl")
+        S.SyncInitRequest(client="learner-rank0", transport="nccl")
 
 
 def test_bucket_header_with_offsets_that_disagree_with_dtype_and_shape_is_rejected():
-    good = example(P.SyncBucketHeader)
+    good = example(S.SyncBucketHeader)
     with pytest.raises(ValidationError, match="lm_head.weight: offsets span"):
-        P.SyncBucketHeader.model_validate({**good, "offsets": [[0, 10]]})
+        S.SyncBucketHeader.model_validate({**good, "offsets": [[0, 10]]})
     with pytest.raises(ValidationError, match="equal length"):
-        P.SyncBucketHeader.model_validate({**good, "dtypes": []})
+        S.SyncBucketHeader.model_validate({**good, "dtypes": []})
 
 
 def test_common_imports_no_torch_vllm_or_fastapi():
-    code = "import sys, common.protocol, common.packing; print(sorted({'torch', 'vllm', 'fastapi'} & set(sys.modules)))"
+    code = "import sys, common.wire.http, common.packing.packer; print(sorted({'torch', 'vllm', 'fastapi'} & set(sys.modules)))"
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
@@ -226,10 +229,10 @@ def recv_within(sock: zmq.Socket, seconds: float = 5.0) -> list[zmq.Frame]:
 def test_pack_round_trips_bit_identical_through_real_zmq_sockets_without_copies(push_pull):
     push, pull = push_pull
     sent = sample_pack()
-    push.send_multipart(P.pack_to_frames(sent, actor="actor-r0-0", seq=3, meta={"rollout/f1": 0.5}), copy=False)
+    push.send_multipart(W.pack_to_frames(sent, actor="actor-r0-0", seq=3, meta={"rollout/f1": 0.5}), copy=False)
     frames = recv_within(pull)
     assert all(isinstance(f, zmq.Frame) for f in frames)
-    message, got = P.frames_to_pack(frames)
+    message, got = W.frames_to_pack(frames)
     header = (message.actor, message.seq, message.ver, message.n_segments, message.n_tokens)
     assert header == ("actor-r0-0", 3, 5, 3, 66)
     assert message.meta["rollout/f1"] == 0.5
@@ -241,11 +244,11 @@ def test_pack_round_trips_bit_identical_through_real_zmq_sockets_without_copies(
 def test_every_wire_dtype_round_trips_through_real_zmq_sockets(push_pull):
     push, pull = push_pull
     rng = np.random.default_rng(0)
-    tensors = {name: (rng.standard_normal((3, 5)) * 100).astype(dtype) for name, dtype in P.WIRE_DTYPES.items()}
+    tensors = {name: (rng.standard_normal((3, 5)) * 100).astype(dtype) for name, dtype in W.WIRE_DTYPES.items()}
     tensors["empty"] = np.zeros((0, 7), np.float32)
-    frames = P.encode_pack_message(ver=1, actor="a", seq=0, channel="A", n_segments=0, n_tokens=0, tensors=tensors)
+    frames = W.encode_pack_message(ver=1, actor="a", seq=0, channel="A", n_segments=0, n_tokens=0, tensors=tensors)
     push.send_multipart(frames, copy=False)
-    message = P.decode_pack_message(recv_within(pull))
+    message = W.decode_pack_message(recv_within(pull))
     assert list(message.tensors) == list(tensors)
     for name, array in tensors.items():
         assert message.tensors[name].dtype == array.dtype and message.tensors[name].shape == array.shape
@@ -254,10 +257,10 @@ def test_every_wire_dtype_round_trips_through_real_zmq_sockets(push_pull):
 
 def test_encode_passes_views_of_the_arrays_and_decode_views_the_frames():
     array = np.arange(12, dtype=np.int64).reshape(3, 4)
-    frames = P.encode_pack_message(ver=0, actor="a", seq=0, channel="B", n_segments=0, n_tokens=0, tensors={"x": array})
+    frames = W.encode_pack_message(ver=0, actor="a", seq=0, channel="B", n_segments=0, n_tokens=0, tensors={"x": array})
     assert np.shares_memory(np.frombuffer(frames[1], np.uint8), array)
     received = [bytes(frames[0]), bytes(frames[1])]
-    decoded = P.decode_pack_message(received).tensors["x"]
+    decoded = W.decode_pack_message(received).tensors["x"]
     assert np.shares_memory(decoded, np.frombuffer(received[1], np.uint8))
     assert np.array_equal(decoded, array)
 
@@ -265,22 +268,22 @@ def test_encode_passes_views_of_the_arrays_and_decode_views_the_frames():
 def test_encode_converts_what_it_must_and_refuses_dtypes_off_the_whitelist():
     fortran = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3))
     big_endian = np.arange(4, dtype=">i8")
-    frames = P.encode_pack_message(
+    frames = W.encode_pack_message(
         ver=0, actor="a", seq=0, channel="B", n_segments=0, n_tokens=0,
         tensors={"f": fortran, "b": big_endian}, meta={"count": np.int64(3)},
     )
-    message = P.decode_pack_message([bytes(f) for f in frames])
+    message = W.decode_pack_message([bytes(f) for f in frames])
     assert np.array_equal(message.tensors["f"], fortran) and np.array_equal(message.tensors["b"], big_endian)
     assert message.meta == {"count": 3}
-    with pytest.raises(P.ProtocolError, match="complex64"):
-        P.encode_pack_message(
+    with pytest.raises(W.ProtocolError, match="complex64"):
+        W.encode_pack_message(
             ver=0, actor="a", seq=0, channel="B", n_segments=0, n_tokens=0, tensors={"z": np.zeros(2, np.complex64)}
         )
 
 
 @functools.cache
 def _valid_frames() -> tuple[bytes, ...]:
-    return tuple(bytes(f) for f in P.pack_to_frames(sample_pack(), actor="a", seq=1))
+    return tuple(bytes(f) for f in W.pack_to_frames(sample_pack(), actor="a", seq=1))
 
 
 def valid_frames() -> list[bytes]:
@@ -314,7 +317,7 @@ MALFORMED = {
     "non-map header": lambda f: [msgpack.packb([1, 2, 3]), *f[1:]],
     "missing key": lambda f: with_header(f, seq=DELETE),
     "extra key": lambda f: with_header(f, bogus=1),
-    "wrong schema": lambda f: with_header(f, schema=P.SCHEMA_VERSION + 1),
+    "wrong schema": lambda f: with_header(f, schema=W.SCHEMA_VERSION + 1),
     "bool ver": lambda f: with_header(f, ver=True),
     "negative seq": lambda f: with_header(f, seq=-1),
     "unknown channel": lambda f: with_header(f, channel="C"),
@@ -333,18 +336,18 @@ MALFORMED = {
 
 @pytest.mark.parametrize("mutate", MALFORMED.values(), ids=MALFORMED.keys())
 def test_malformed_pack_message_raises_protocol_error(mutate):
-    with pytest.raises(P.ProtocolError):
-        P.frames_to_pack(mutate(valid_frames()))
+    with pytest.raises(W.ProtocolError):
+        W.frames_to_pack(mutate(valid_frames()))
 
 
 def test_truncated_frame_raises_protocol_error_naming_the_count():
-    with pytest.raises(P.ProtocolError, match="9 buffer frames but the header lists 10 tensors"):
-        P.decode_pack_message(valid_frames()[:-1])
+    with pytest.raises(W.ProtocolError, match="9 buffer frames but the header lists 10 tensors"):
+        W.decode_pack_message(valid_frames()[:-1])
 
 
 def test_wrong_schema_raises_protocol_error_saying_versions_differ():
-    with pytest.raises(P.ProtocolError, match="different tandem versions"):
-        P.decode_pack_message(with_header(valid_frames(), schema=99))
+    with pytest.raises(W.ProtocolError, match="different tandem versions"):
+        W.decode_pack_message(with_header(valid_frames(), schema=99))
 
 
 def _replace_array(frames: list[bytes], name: str, array: np.ndarray) -> list[bytes]:
@@ -358,7 +361,7 @@ def _replace_array(frames: list[bytes], name: str, array: np.ndarray) -> list[by
 
 
 def _edited(name: str, edit) -> np.ndarray:
-    array = P.decode_pack_message(valid_frames()).tensors[name].copy()
+    array = W.decode_pack_message(valid_frames()).tensors[name].copy()
     return edit(array)
 
 
@@ -379,8 +382,8 @@ def _edited(name: str, edit) -> np.ndarray:
     ],
 )
 def test_inconsistent_pack_arrays_raise_protocol_error_naming_the_problem(name, array, match):
-    with pytest.raises(P.ProtocolError, match=match):
-        P.frames_to_pack(_replace_array(valid_frames(), name, array))
+    with pytest.raises(W.ProtocolError, match=match):
+        W.frames_to_pack(_replace_array(valid_frames(), name, array))
 
 
 frame_bytes = st.binary(max_size=64)
@@ -389,14 +392,14 @@ frame_bytes = st.binary(max_size=64)
 @settings(max_examples=200, deadline=None)
 @given(st.lists(frame_bytes, max_size=4))
 def test_random_frames_never_raise_anything_but_protocol_error(frames):
-    for decode in (P.decode_pack_message, P.frames_to_pack, P.decode_credits):
+    for decode in (W.decode_pack_message, W.frames_to_pack, W.decode_credits):
         try:
             decode(frames)
-        except P.ProtocolError:
+        except W.ProtocolError:
             pass
     try:
-        P.decode_credits(frames[0] if frames else b"")
-    except P.ProtocolError:
+        W.decode_credits(frames[0] if frames else b"")
+    except W.ProtocolError:
         pass
 
 
@@ -435,8 +438,8 @@ def test_valid_pack_with_one_field_fuzzed_never_raises_anything_but_protocol_err
         else:
             target[last] = value
     try:
-        P.frames_to_pack([msgpack.packb(header), *frames[1:]])
-    except P.ProtocolError:
+        W.frames_to_pack([msgpack.packb(header), *frames[1:]])
+    except W.ProtocolError:
         pass
 
 
@@ -458,18 +461,18 @@ CREDITS = dict(
 
 def credits_with(**changes) -> bytes:
     """A credits frame with some keys changed (value DELETE removes the key)."""
-    message = {"schema": P.SCHEMA_VERSION, **CREDITS, **changes}
+    message = {"schema": W.SCHEMA_VERSION, **CREDITS, **changes}
     return msgpack.packb({k: v for k, v in message.items() if v is not DELETE})
 
 
 def test_credits_round_trip_from_bytes_and_zmq_frame(push_pull):
-    expected = P.Credits(schema=P.SCHEMA_VERSION, **CREDITS)
-    frame = P.encode_credits(**CREDITS)
-    assert P.decode_credits(frame) == expected
+    expected = W.Credits(schema=W.SCHEMA_VERSION, **CREDITS)
+    frame = W.encode_credits(**CREDITS)
+    assert W.decode_credits(frame) == expected
     push, pull = push_pull
     push.send(frame, copy=False)
     assert pull.poll(5000), "no credits on the PULL socket within 5s (PUSH connected to loopback)"
-    assert P.decode_credits(pull.recv(copy=False)) == expected
+    assert W.decode_credits(pull.recv(copy=False)) == expected
 
 
 @pytest.mark.parametrize(
@@ -492,16 +495,16 @@ def test_credits_round_trip_from_bytes_and_zmq_frame(push_pull):
     ],
 )
 def test_malformed_credits_raise_protocol_error(frame, match):
-    with pytest.raises(P.ProtocolError, match=match):
-        P.decode_credits(frame)
+    with pytest.raises(W.ProtocolError, match=match):
+        W.decode_credits(frame)
 
 
 @settings(max_examples=100, deadline=None)
 @given(key=st.sampled_from(sorted(CREDITS) + ["schema"]), value=msgpack_values)
 def test_credits_with_one_field_fuzzed_never_raise_anything_but_protocol_error(key, value):
     try:
-        P.decode_credits(credits_with(**{key: value}))
-    except P.ProtocolError:
+        W.decode_credits(credits_with(**{key: value}))
+    except W.ProtocolError:
         pass
 
 
@@ -514,7 +517,7 @@ CREDIT_KEYS = ("schema", "rank", "ver_current", "depth", "target", "version_wind
 def test_valid_credits_with_one_field_fuzzed_decode_to_checked_values_or_raise_protocol_error(key, value):
     """The back-channel's decoder, like the pack's: any one field replaced by any msgpack value either
     decodes to a Credits whose fields hold what the contract says, or raises ProtocolError only."""
-    message = msgpack.unpackb(P.encode_credits(rank=1, ver_current=3, depth=2, target=4, version_window=1,
+    message = msgpack.unpackb(W.encode_credits(rank=1, ver_current=3, depth=2, target=4, version_window=1,
                                                received_total=9, actors={"a-0": (5, 1)}, ts=1.0))
     parts = key.split(".")
     target = message
@@ -525,8 +528,8 @@ def test_valid_credits_with_one_field_fuzzed_decode_to_checked_values_or_raise_p
     else:
         target[parts[-1]] = value
     try:
-        credits = P.decode_credits(msgpack.packb(message))
-    except P.ProtocolError:
+        credits = W.decode_credits(msgpack.packb(message))
+    except W.ProtocolError:
         return
     for name in ("rank", "ver_current", "depth", "target", "version_window", "received_total"):
         assert type(getattr(credits, name)) is int and getattr(credits, name) >= 0

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.assistant_json import iter_jsonl
-from common.config import load_config
-from common.processor import load_processor
-from common.protocol import InferResponse
-from common.tensors.encode import Encoder
+from common.data.records import iter_jsonl
+from common.config.load import load_config
+from common.data.processor import load_processor
+from common.wire.http import InferResponse
+from common.packing.encode import Encoder
 from tests.conftest import REPO_ROOT
 from tests.test_encode import encode_a, full_conversation
 
@@ -165,7 +165,7 @@ def test_add_coord_tokens_gives_a_bare_qwen3_vl_the_coord_tokens_and_an_image_fo
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from common.tokens import coord_token_ids, require_coord_tokens
+    from common.detection.coord_tokens import coord_token_ids, require_coord_tokens
     from tools.add_coord_tokens import add_coord_tokens
     from tools.make_tiny_model import ensure_tiny_model
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.config import ConfigError, load_config
-from common.segment import Pack
+from common.config.load import ConfigError, load_config
+from common.packing.segment import Pack
 from learner.loss import LossWeights, Normaliser, pack_loss
 from learner.model import build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs
 from learner.recipe import group_of, hf_name
@@ -123,10 +123,13 @@ def test_lr_groups_and_freeze_are_checked_at_load_naming_the_key_and_the_fix():
 def test_adapter_keys_are_checked_at_load_and_unserved_modes_are_refused():
     cfg = load_config(DEMO, ["model.adapter.type=dora", "model.adapter.target_modules=[q_proj,v_proj]"])
     assert cfg.model.adapter.type == "dora" and cfg.model.adapter.target_modules == ["q_proj", "v_proj"]
+    cfg = load_config(DEMO, ["model.adapter.type=dora", "learner.parallel=fsdp"])  # merged sync: FSDP2 takes it
+    assert cfg.learner.parallel == "fsdp" and cfg.model.adapter.sync == "merged"
     for overrides, words in ((["model.adapter.type=lora", "model.adapter.sync=adapter", "rollout_server.engine=vllm"],
                               "model.adapter.sync: merged"),
                              (["model.adapter.type=lora", "model.adapter.rank=0"], "model.adapter.rank"),
-                             (["model.adapter.type=lora", "learner.parallel=fsdp"], "learner.parallel: ddp"),
+                             (["model.adapter.type=lora", "model.adapter.sync=adapter", "learner.parallel=fsdp"],
+                              "model.adapter.sync: merged under learner.parallel: fsdp"),
                              (["model.adapter.rank=8"], "model.adapter.type")):
         with pytest.raises(ConfigError) as err:
             load_config(DEMO, overrides)
@@ -202,7 +205,7 @@ def served_digest(srv, token):
     """tests/test_weights_digest.py's served_digest with this test's token."""
     import httpx
 
-    from common.protocol import SyncDigestResponse
+    from common.wire.sync import SyncDigestResponse
 
     r = httpx.get(srv.url + "/sync/digest", headers={"Authorization": f"Bearer {token}"}, timeout=60)
     assert r.status_code == 200, r.text

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from actor.client import RolloutClient, RolloutError, RolloutRequestError, RolloutUnavailable
-from common.protocol import HealthResponse, InferOutput, InferRequest, InferResponse, SamplingParams
+from common.wire.http import HealthResponse, InferOutput, InferRequest, InferResponse, SamplingParams
 from tests.ports import free_port_block
 
 SAMPLING = SamplingParams(max_tokens=4, temperature=0)
@@ -240,7 +240,7 @@ def test_wait_until_ready_fails_fast_on_a_schema_mismatch(peer):
 
 
 def test_a_client_from_config_reads_servers_and_timeouts(tiny_model_dir):
-    from common.config import load_config
+    from common.config.load import load_config
 
     cfg = load_config("configs/demo_cpu.yaml", ["rollout_matching.vllm.infer_timeout_s=7",
                                                  "rollout_matching.vllm.balance=round_robin"])

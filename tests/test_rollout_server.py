@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.protocol import SCHEMA_VERSION, HealthResponse, InferResponse
+from common.wire.codec import SCHEMA_VERSION
+from common.wire.http import HealthResponse, InferResponse
 from tests.ports import free_port_block
 from tests.server_proc import REPO, rollout_server_process
 

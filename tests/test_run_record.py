@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from common.config import load_config
+from common.config.load import load_config
 from learner.run_record import start_run, write_run_record
 
 
@@ -17,7 +17,7 @@ def _inputs(tmp_path: Path) -> tuple[Path, Path]:
     model.mkdir(exist_ok=True)
     data.mkdir(exist_ok=True)
     (model / "tandem_build.json").write_text(json.dumps({"params": {"preset": "tiny", "seed": 0}}))
-    (data / "manifest.json").write_text(json.dumps({"params": {"generator": "common.synthetic", "n_train": 8},
+    (data / "manifest.json").write_text(json.dumps({"params": {"generator": "common.data.synthetic", "n_train": 8},
                                                     "files": ["train.jsonl"]}))
     (data / "train.jsonl").write_text("")  # start_run checks its first records (data.on_bad_record): none here
     return model, data
@@ -49,7 +49,7 @@ def test_a_fresh_start_writes_the_resolved_config_and_what_produced_the_run(tmp_
     assert info["decoding"]["eval"] == {"greedy": True, "temperature": 0.0, "max_new_tokens": 96, "enabled": False}
     assert info["world_size"] == 2 and info["derived"]["effective_batch_size"] == 4
     assert info["model"]["tandem_build"] == {"params": {"preset": "tiny", "seed": 0}}
-    assert info["data"]["manifests"] == {str(tmp_path / "data"): {"generator": "common.synthetic", "n_train": 8}}
+    assert info["data"]["manifests"] == {str(tmp_path / "data"): {"generator": "common.data.synthetic", "n_train": 8}}
     assert set(info["versions"]) == {"python", "torch", "transformers", "tandem"}
     assert info["git"] is None or len(info["git"]["commit"]) == 40
     assert info["started_utc"].endswith("+00:00") and info["resumes"] == []

@@ -1,11 +1,11 @@
-"""The A/B schedule (common/schedule.py): exact, resumable, edge cases of the spec scenarios."""
+"""The A/B schedule (common/packing/schedule.py): exact, resumable, edge cases of the spec scenarios."""
 
 import math
 from fractions import Fraction
 
 import pytest
 
-from common.schedule import RealizedRatio, exact_ratio, planned_b_steps, wants_b
+from common.packing.schedule import RealizedRatio, exact_ratio, planned_b_steps, wants_b
 
 
 def test_b_ratio_half_alternates_a_b_a_b():

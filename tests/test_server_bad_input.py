@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from common.protocol import BUCKET_HEADER, ErrorResponse, SyncBucketHeader
+from common.wire.sync import BUCKET_HEADER, SyncBucketHeader
+from common.wire.http import ErrorResponse
 from common.tensors import packed as P
 from common.tensors import weights as W
 from learner.sync import SyncError
@@ -356,7 +357,7 @@ def test_commit_min_ver_out_of_range_is_refused_and_ver_stays(server, http):
     err = error_of(r, 422)  # fails validation: the session ends with it (issue 29), the fence reopens
     assert err.field == "min_ver" and "sync session aborted" in err.message
     assert http.get("/health").json()["sync_state"] == "idle"
-    from common.protocol import MAX_VER_JUMP
+    from common.wire.sync import MAX_VER_JUMP
 
     session = _begun_session(server)
 
@@ -532,7 +533,7 @@ def _bounded(body):
     """Keep each case short: a valid max_tokens stays a valid one, but at most 4 (length is what the token
     budget and the disconnect test are for), and a min_ver the server could still reach is 0 (waiting for it
     is by design, up to admission_timeout_s); everything else is sent as drawn."""
-    from common.protocol import MAX_VER_JUMP
+    from common.wire.sync import MAX_VER_JUMP
 
     if isinstance(body, dict):
         for key in ("max_tokens", "max_completion_tokens"):

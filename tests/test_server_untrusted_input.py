@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from common.protocol import ErrorResponse
+from common.wire.http import ErrorResponse
 from learner.sync.http import HttpWeightSender
 from rollout_server.app import build_app
 from tests.ports import free_port_block

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.config import ConfigError
+from common.config.load import ConfigError
 from stage_b.config import ReflectionConfig, load_stage_b_config
 from stage_b.distributed import epoch_order, global_batches, resolve_placement, shard_bounds
 from stage_b.guidance import GuidanceRepo

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from common.config import ConfigError, load_config
+from common.config.load import ConfigError, load_config
 from common.tensors import weights as W
 from learner.recipe import adapter_push, frozen_names
 from learner.sync import SyncError, cast_stream, plan

@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # when torchrun runs this file as a rank worker
     sys.path.insert(0, str(REPO))
 
+#: The ``adapter`` scenario's recipe (config overrides): DoRA on every linear layer outside the frozen vision tower.
+ADAPTER_RECIPE = ["model.adapter={type: dora, rank: 4, alpha: 8, target_modules: all-linear}", "model.freeze=[vision]"]
 RUN_DEADLINE_S = 240.0  # one torchrun of 2 ranks on a shared 2-core box; a hang fails the test, not the suite
 SMALL_BUCKET = 256 << 10  # several buckets for the 3.3 MB tiny model
 
@@ -36,12 +38,12 @@ def _worker(args: list[str]) -> None:
 
     import torch
 
-    from common.config import load_config
+    from common.config.load import load_config
     from learner.distributed import Dist
     from learner.parallel import wrap
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["land", "fail"])
+    ap.add_argument("scenario", choices=["land", "fail", "adapter"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--url", action="append", required=True)
@@ -65,16 +67,21 @@ def _worker(args: list[str]) -> None:
                 f"rollout_matching.vllm.sync.transport={transport}", "rollout_matching.vllm.sync.timeout_s=30",
                 "rollout_matching.vllm.sync.bucket_mb=1", f"stage2_ab.channel_b.async.sync_mode={mode}",
                 f"learner.fsdp.cpu_offload={str(a.offload).lower()}", "learner.collective_timeout_s=120",
-                f"learner.nproc_per_node={dist.world_size}"], world_size=dist.world_size)
+                f"learner.nproc_per_node={dist.world_size}", *ADAPTER_RECIPE * (a.scenario == "adapter")],
+                world_size=dist.world_size)
 
         from transformers import AutoModelForImageTextToText
 
         cfg = config(a.url)
         device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
         model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=torch.float32).to(device)
+        if a.scenario == "adapter":
+            from learner.recipe import apply_recipe
+
+            apply_recipe(model, cfg.model)  # as learner/model.py does, before the wrap
         model = wrap(model, cfg.learner, device, dist.world_size, dist.local_rank)
         trainer = _Trainer(model, dist.rank, device)
-        (_land if a.scenario == "land" else _fail)(a, dist, model, trainer, config, result)
+        {"land": _land, "fail": _fail, "adapter": _adapter}[a.scenario](a, dist, model, trainer, config, result)
         result["aligned"] = dist.all_reduce([1], "sum", "the test's closing all-reduce")[0]
     except BaseException as exc:
         import traceback
@@ -112,7 +119,7 @@ def _served(url: str) -> dict:
     """The server's ver and exact digest (rank 0 only)."""
     import httpx
 
-    from common.protocol import SyncDigestResponse
+    from common.wire.sync import SyncDigestResponse
 
     r = httpx.get(url + "/sync/digest", timeout=60)
     r.raise_for_status()
@@ -227,6 +234,79 @@ def _fail(a, dist, model, trainer, config, result) -> None:
         result["n_buckets"], result["n_served"] = len(sizes), len(planned)
 
 
+def _expected_merged(model, dist, cfg, model_dir: str, url: str) -> dict | None:
+    """Every rank (a collective): torch's full state dict of the sharded adapter policy; rank 0 loads it into a
+    fresh policy with the same adapter, merges each adapted layer in place with peft's own ``merge``, and digests
+    the served names as the server would hold them (independent of the push's gather-and-merge path)."""
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForImageTextToText
+
+    from common.tensors import weights as W
+    from learner.recipe import apply_recipe, hf_name
+    from learner.sync import cast_stream, plan
+    from learner.sync.control import SyncClient
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_main:
+        return None
+    fresh = AutoModelForImageTextToText.from_pretrained(model_dir)
+    apply_recipe(fresh, cfg.model)
+    fresh.load_state_dict(full)
+    layers = [m for m in fresh.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        layer.merge(safe_merge=True)
+    merged = [(hf_name(n), p.detach()) for n, p in fresh.named_parameters()
+              if ".lora_" not in n and ".original_module." not in n]
+    client = SyncClient(url, timeout_s=30)
+    try:
+        session = client.open(1 << 20)
+        session.abort("the test only wanted the manifest")
+    finally:
+        client.close()
+    planned = plan(session.info, merged)
+    dora = sum(bool(layer.use_dora.get("default")) for layer in layers)
+    return {"digest": W.exact_digest(cast_stream(session.info, planned)), "n_served": len(planned),
+            "n_parts": len(planned) + 2 * len(layers) + dora}
+
+
+def _adapter(a, dist, model, trainer, config, result) -> None:
+    """A DoRA policy sharded by FSDP2, ``model.adapter.sync: merged``: a blocking push after a step, then an overlap
+    push whose snapshot (gathered and merged on every boundary's ranks) must land although training moves on."""
+    from learner.sync.boundary import WeightSync
+
+    url, step = a.url[0], 1
+    frozen = {n: p.detach().to_local().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer.step()
+    sync = WeightSync(config(a.url), dist)
+    sync.bucket_bytes = SMALL_BUCKET
+    out = sync.run(model, step, 0)
+    expected = _expected_merged(model, dist, config(a.url), a.model, url)
+    result["blocking"] = {"ok": out.ok, "ver": out.ver, "gathers": sync.gathers}
+    if dist.is_main:
+        result["blocking"].update(served=_served(url), expected=expected)
+    sync.close()
+    sync = WeightSync(config(a.url, mode="overlap"), dist, progress=lambda: step)
+    sync.bucket_bytes = SMALL_BUCKET
+    ver = sync.boundary(model, step, out.ver).ver  # the start-up push (blocking)
+    trainer.step()
+    step += sync.every
+    gathers_before = sync.gathers
+    at_snapshot = _expected_merged(model, dist, config(a.url), a.model, url)
+    started = sync.boundary(model, step, ver)
+    trainer.step()  # the weights move on while the push runs: the server must get the snapshot's merge
+    settled = sync.settle(model, step, ver, "the test")
+    result["overlap"] = {"started": started.metrics.get("sync/started"), "ok": settled.ok, "ver": settled.ver,
+                         "ver_before": ver, "gathers": sync.gathers - gathers_before}
+    if dist.is_main:
+        result["overlap"].update(served=_served(url), expected=at_snapshot)
+    sync.close()
+    import torch
+
+    result["frozen_unchanged"] = bool(frozen) and all(
+        torch.equal(frozen[n], p.detach().to_local()) for n, p in model.named_parameters() if n in frozen)
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker([x for x in sys.argv[1:] if x != "--worker"])
 
@@ -339,3 +419,22 @@ def test_a_push_failing_mid_way_leaves_both_ranks_alive_on_the_old_ver(tiny_mode
     assert doomed.proc.poll() is not None, "the second scenario must have killed its server mid-push"
     assert r0["aligned"] == r1["aligned"] == 2
     print(f"fsdp fail scenarios: {elapsed:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_sharded_adapter_policy_pushes_its_merged_weights_bit_exact_and_keeps_its_base(tiny_model_dir, tmp_path):
+    """``model.adapter.sync: merged`` under FSDP2: every rank gathers each adapted layer's base and adapter, rank 0
+    merges them (peft's math) and pushes; the server's digest equals peft's own in-place merge of the full state."""
+    from tests.server_proc import rollout_server_process
+
+    with rollout_server_process(tiny_model_dir, []) as srv:
+        r0, r1 = _run(tmp_path, "adapter", [srv.url], tiny_model_dir)
+    for mode in ("blocking", "overlap"):
+        push = r0[mode]
+        assert push["ok"] and r1[mode]["ok"] and push["ver"] == r1[mode]["ver"] == push["served"]["ver"], mode
+        assert push["served"]["digests"] == [push["expected"]["digest"]], f"{mode}: served != the learner's merge"
+        assert r0[mode]["gathers"] == r1[mode]["gathers"] == push["expected"]["n_parts"], mode
+    assert r0["blocking"]["expected"]["digest"] != r0["overlap"]["expected"]["digest"], "a step between pushes"
+    assert r0["overlap"]["started"] == 1 and r0["overlap"]["ver"] == r0["overlap"]["ver_before"] + 1
+    assert r0["frozen_unchanged"] and r1["frozen_unchanged"], "a push merged into the frozen base weights"
+    assert r0["aligned"] == r1["aligned"] == 2

@@ -14,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from common.protocol import ErrorResponse, SharedBuffer, SyncDigestResponse, SyncIpcRequest
+from common.wire.http import ErrorResponse
+from common.wire.sync import SharedBuffer, SyncDigestResponse, SyncIpcRequest
 from common.tensors import packed as P
 from common.tensors import weights as W
 from common.tensors.shared import SHM_DIR, SendBuffer

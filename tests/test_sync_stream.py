@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from common.protocol import STREAM_MAGIC, SyncBucketHeader
+from common.wire.sync import STREAM_MAGIC, SyncBucketHeader
 from common.tensors import weights as W
 from learner.sync import SyncError, cast_stream, plan
 from learner.sync.http import HttpWeightSender

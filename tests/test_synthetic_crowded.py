@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.assistant_json import load_record
-from common.detection_eval import ImageResult, Prediction, evaluate_detections
-from common.matching import box_iou
+from common.data.records import load_record
+from common.evaluation.metrics import ImageResult, Prediction, evaluate_detections
+from common.detection.matching import box_iou
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_crowded_scenes_hold_10_to_40_small_overlapping_shapes_whose_descs_recur
 
 
 def test_on_a_crowded_image_repeated_boxes_count_as_duplicates_and_land_in_their_gt_bucket(tmp_path):
-    from common.synthetic import CROWDED, render_record
+    from common.data.synthetic import CROWDED, render_record
 
     _, rec = render_record(0, 5, **CROWDED)
     r = load_record({**rec, "images": ["x.png"]}, where="crowded")

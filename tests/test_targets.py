@@ -10,16 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.assistant_json import IM_END, GTObject, canonical_order, coord_token, serialize_objects
-from common.matching import hungarian_match
-from common.parsing import parse_rollout
-from common.targets import (
-    _entry_text,
-    channel_a_target,
-    reordered_gt_target,
-    rollout_prefix_target,
-)
-from common.tokens import coord_token_ids
+from common.detection.answer import IM_END, canonical_order, serialize_objects
+from common.data.records import GTObject, coord_token
+from common.detection.matching import hungarian_match
+from common.detection.parsing import parse_rollout
+from common.detection.targets import _entry_text, channel_a_target, reordered_gt_target, rollout_prefix_target
+from common.detection.coord_tokens import coord_token_ids
 
 MATCH = {"candidate_top_k": 5, "gate": 0.3, "fp_cost": 0.5, "fn_cost": 2.0}
 

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from common.assistant_json import Prompts, load_record
-from common.config import load_config
-from common.evaluation import rollout_item
-from common.matching import box_iou
-from common.parsing import parse_rollout
-from common.protocol import InferRequest, InferResponse, SamplingParams
-from common.tokens import require_coord_tokens
+from common.detection.answer import Prompts
+from common.data.records import load_record
+from common.config.load import load_config
+from common.evaluation.loop import rollout_item
+from common.detection.matching import box_iou
+from common.detection.parsing import parse_rollout
+from common.wire.http import InferRequest, InferResponse, SamplingParams
+from common.detection.coord_tokens import require_coord_tokens
 from tests.server_proc import REPO, rollout_server_process
 
 pytestmark = pytest.mark.slow

@@ -8,20 +8,12 @@ import numpy as np
 import pytest
 import zmq
 
-from common.config import LearnerConfig, TransportConfig
-from common.segment import Pack
-from common.transport import (
-    ActorTally,
-    CreditPublisher,
-    CreditSubscriber,
-    PackReceiver,
-    PackSender,
-    TransportTimeout,
-    credit_endpoint,
-    learner_host,
-    pack_endpoint,
-)
-from common.wire import encode_credits, frames_to_pack, pack_to_frames
+from common.config.learner import LearnerConfig
+from common.config.schema import TransportConfig
+from common.packing.segment import Pack
+from common.wire.transport import (ActorTally, CreditPublisher, CreditSubscriber, PackReceiver, PackSender,
+                                   TransportTimeout, credit_endpoint, learner_host, pack_endpoint)
+from common.wire.codec import encode_credits, frames_to_pack, pack_to_frames
 from tests.factories import make_segment
 from tests.ports import free_port_block
 

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.config import ConfigError, load_config
-from common.segment import Pack
+from common.config.load import ConfigError, load_config
+from common.packing.segment import Pack
 from learner import attention
 from learner.loss import LossWeights, Normaliser, pack_loss, supervised_rows
 from learner.model import forward_rows, load_policy, pack_inputs

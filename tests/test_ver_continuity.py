@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from common.config import load_config
+from common.config.load import load_config
 from learner.distributed import Dist
 from learner.sync.boundary import WeightSync
 from learner.sync.http import HttpWeightSender

@@ -52,7 +52,7 @@ def _engine(workers, chunks_per_sync):
 
 
 def _header(weights):
-    from common.protocol import SyncBucketHeader
+    from common.wire.sync import SyncBucketHeader
 
     lay = layout_of(weights)
     return SyncBucketHeader(session="s", index=0, names=lay["names"], dtypes=lay["dtypes"], shapes=lay["shapes"],
@@ -163,7 +163,7 @@ class StreamingLLM:
 def test_cancelling_a_generate_aborts_every_request_id_of_the_batch_on_the_engine():
     from types import SimpleNamespace
 
-    from common.protocol import InferItem, SamplingParams
+    from common.wire.http import InferItem, SamplingParams
 
     engine = _engine([], lambda: [])
     engine.llm, engine.tokenizer, engine._vocab, engine.max_request_tokens = StreamingLLM(), None, 100, None
@@ -186,7 +186,7 @@ def test_cancelling_a_generate_aborts_every_request_id_of_the_batch_on_the_engin
 def test_a_batch_over_the_token_budget_is_a_413_before_vllm_sees_it():
     import pytest
 
-    from common.protocol import InferItem, SamplingParams
+    from common.wire.http import InferItem, SamplingParams
     from rollout_server.engines.base import EngineInputError
 
     class Tok:
@@ -234,7 +234,7 @@ class CountingTok:
 def test_a_text_only_chat_prompt_reaches_vllm_as_token_ids_tokenized_once_for_budget_and_engine():
     from types import SimpleNamespace
 
-    from common.protocol import InferItem, SamplingParams
+    from common.wire.http import InferItem, SamplingParams
 
     engine = _engine([], lambda: [])
     engine.llm, engine.tokenizer, engine._vocab, engine.max_request_tokens = FinalLLM(), CountingTok(), 100, 1000
@@ -252,7 +252,7 @@ def test_a_text_only_chat_prompt_reaches_vllm_as_token_ids_tokenized_once_for_bu
 def test_cancelling_a_one_item_generate_aborts_its_request_on_the_engine():
     from types import SimpleNamespace
 
-    from common.protocol import InferItem, SamplingParams
+    from common.wire.http import InferItem, SamplingParams
 
     engine = _engine([], lambda: [])
     engine.llm, engine.tokenizer, engine._vocab, engine.max_request_tokens = StreamingLLM(), None, 100, None
@@ -278,7 +278,7 @@ def test_http_buckets_are_staged_in_shared_memory_and_loaded_by_the_workers_only
 
     import pytest
 
-    from common.protocol import TensorSpec
+    from common.wire.sync import TensorSpec
     from common.tensors.shared import SHM_DIR
 
     if not os.path.isdir(SHM_DIR):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import load_config
+from common.config.load import load_config
 from learner.warm_start import BUILD_FILE, METRICS_FILE, build_params, check_config, ensure_warm_start, main
 from tests.test_learner_harness import private_copy
 
@@ -76,7 +76,7 @@ def test_the_cli_exits_2_on_a_config_unfit_for_a_warm_start_and_builds_nothing(i
 def test_a_three_step_build_is_a_loadable_model_with_coord_tokens_and_new_weights(inputs, built):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from common.tokens import require_coord_tokens
+    from common.detection.coord_tokens import require_coord_tokens
 
     out = built["out"]
     assert "built" in built["stdout"] and f"{STEPS} steps" in built["stdout"]

@@ -14,7 +14,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from common.protocol import ErrorResponse, SyncDigestResponse
+from common.wire.http import ErrorResponse
+from common.wire.sync import SyncDigestResponse
 from common.tensors import weights as W
 from rollout_server.app import build_app
 from learner.sync import cast_stream, plan

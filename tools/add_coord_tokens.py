@@ -2,7 +2,7 @@
 
     python tools/add_coord_tokens.py --model /ckpt/Qwen2.5-VL-3B-Instruct --out /ckpt/Qwen2.5-VL-3B-Instruct-coord
 
-tandem refuses a tokenizer without the coord tokens (``common/tokens.py``); this is the fix.
+tandem refuses a tokenizer without the coord tokens (``common/detection/coord_tokens.py``); this is the fix.
 
 - The tokens are appended as added, non-special tokens (``decode(skip_special_tokens=True)`` keeps
   them), so their ids are contiguous in bin order right after the existing tokenizer.
@@ -26,9 +26,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python tools/add_coord_tokens.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cli  # noqa: E402
-from common.assistant_json import COORD_TOKENS, NUM_BINS  # noqa: E402
-from common.tokens import contiguous_range, coord_token_ids  # noqa: E402
+from common.runs import cli  # noqa: E402
+from common.data.records import COORD_TOKENS, NUM_BINS  # noqa: E402
+from common.detection.coord_tokens import contiguous_range, coord_token_ids  # noqa: E402
 
 ROW_MULTIPLE = 64
 _CARRIED_FILES = (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cli  # noqa: E402
+from common.runs import cli  # noqa: E402
 from stage_b.tickets import make_demo_tickets, write_tickets  # noqa: E402
 
 

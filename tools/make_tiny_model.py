@@ -43,12 +43,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python tools/make_tiny_model.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cli  # noqa: E402
-from common.build_dir import build_once  # noqa: E402
-from common.assistant_json import (CHAT_SPECIAL_TOKENS, COORD_TOKENS, ENDOFTEXT, IM_END, IMAGE_PAD,  # noqa: E402
-                                   SYSTEM_PROMPT, USER_PROMPT, VIDEO_PAD, VISION_END, VISION_START, GTObject,
-                                   serialize_objects)
-from common.synthetic import desc_vocabulary  # noqa: E402
+from common.runs import cli  # noqa: E402
+from common.runs.build_dir import build_once  # noqa: E402
+from common.detection.answer import (CHAT_SPECIAL_TOKENS, ENDOFTEXT, IM_END, IMAGE_PAD, SYSTEM_PROMPT,  # noqa: E402
+                                     USER_PROMPT, VIDEO_PAD, VISION_END, VISION_START, serialize_objects)
+from common.data.records import COORD_TOKENS, GTObject  # noqa: E402
+from common.data.synthetic import desc_vocabulary  # noqa: E402
 from tools import qwen3_vl_family as qwen3  # noqa: E402
 
 BUILDER_VERSION = 2  # 2: tiny preset rope_theta 10
@@ -394,7 +394,7 @@ def ensure_tiny_model(
 ) -> Path:
     """The model directory at ``path``, built unless it already holds a build with these parameters.
 
-    Built once and atomically (:func:`common.build_dir.build_once`): concurrent callers never see a
+    Built once and atomically (:func:`common.runs.build_dir.build_once`): concurrent callers never see a
     half-written directory, and a folder that this tool did not write is never deleted.
     """
     presets = family_presets(family)

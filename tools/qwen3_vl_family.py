@@ -53,7 +53,7 @@ def build_config(preset: str, ids: dict[str, int], rows: int):
     vision start/end) to their ids, ``rows`` is the embedding row count."""
     from transformers import Qwen3VLConfig
 
-    from common.assistant_json import ENDOFTEXT, IM_END, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+    from common.detection.answer import ENDOFTEXT, IM_END, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
     spec = PRESETS[preset]
     text = dict(spec["text"])

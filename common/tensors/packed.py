@@ -9,7 +9,7 @@ buffers (``/sync/ipc``) and NCCL broadcasts all carry tensors at the offsets
 :func:`common.tensors.weights.packed_offsets` gives, cut into buckets by
 :func:`common.tensors.weights.packed_chunks`, so a server that recorded a copy plan for one stream
 layout replays it whatever carried the bytes. No per-tensor header in the bytes and no text
-encoding: the layout travels as JSON beside them (:class:`common.protocol.SyncBucketHeader`).
+encoding: the layout travels as JSON beside them (:class:`common.wire.http.SyncBucketHeader`).
 
 Imports torch only; the learner and the server use the same functions.
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.protocol import SYNC_DTYPE_BYTES
+from common.wire.sync import SYNC_DTYPE_BYTES
 from common.tensors import weights as W
 
 Span = tuple[int, int]

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-from common.protocol import SharedBuffer
+from common.wire.sync import SharedBuffer
 
 SHM_DIR = "/dev/shm"
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from common.protocol import SYNC_DTYPE_BYTES, TensorSpec
+from common.wire.sync import SYNC_DTYPE_BYTES, TensorSpec
 
 #: Elements sampled per tensor by :func:`fingerprint` (evenly spaced, first and last included).
 FINGERPRINT_SAMPLES = 4096

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from common.protocol import AdapterSpec, SyncInitResponse
+from common.wire.sync import AdapterSpec, SyncInitResponse
 from common.tensors import weights as W
 from learner.sync.control import SyncClient, SyncError, SyncSession
 from learner.sync.sharded import BucketGather, ShardedWeights

@@ -104,12 +104,18 @@ def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """HF parameter names and tensors, tied parameters once (under the name ``named_parameters`` keeps).
     Under FSDP2 the tensors are the sharded DTensors (nothing gathered). A policy with a peft adapter
     (``model.adapter.sync: merged``) yields the served model's names and each adapted layer's W + ΔW, made
-    aside: its training weights stay as they are (learner/recipe.py ``merged_weights``)."""
+    aside: its training weights stay as they are (learner/recipe.py ``merged_weights``); sharded, that W + ΔW
+    is a ``Derived`` entry the push gathers and rank 0 merges (learner/recipe_sharded.py)."""
     from learner.recipe import has_adapter, merged_weights
 
     inner = unwrap(model)
     if has_adapter(inner):
-        yield from merged_weights(inner)
+        if is_sharded(model):
+            from learner.recipe_sharded import sharded_merged_weights
+
+            yield from sharded_merged_weights(inner)
+        else:
+            yield from merged_weights(inner)
         return
     for name, p in inner.named_parameters():
         yield name, p.detach()

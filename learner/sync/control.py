@@ -24,23 +24,10 @@ import httpx
 import torch
 from pydantic import BaseModel, ValidationError
 
-from common.protocol import (
-    BUCKET_HEADER,
-    AdapterSpec,
-    HealthResponse,
-    SyncAbortRequest,
-    SyncAbortResponse,
-    SyncBeginRequest,
-    SyncBeginResponse,
-    SyncBucketHeader,
-    SyncBucketResponse,
-    SyncCommitRequest,
-    SyncCommitResponse,
-    SyncInitRequest,
-    SyncInitResponse,
-    SyncIpcRequest,
-    SharedBuffer,
-)
+from common.wire.sync import (BUCKET_HEADER, AdapterSpec, SyncAbortRequest, SyncAbortResponse, SyncBeginRequest,
+                              SyncBeginResponse, SyncBucketHeader, SyncBucketResponse, SyncCommitRequest,
+                              SyncCommitResponse, SyncInitRequest, SyncInitResponse, SyncIpcRequest, SharedBuffer)
+from common.wire.http import HealthResponse
 from common.tensors import packed as P
 from learner.sync.stream import BucketStreamClient
 from common.tensors import weights as W

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from common.protocol import SyncBucketHeader
+from common.wire.sync import SyncBucketHeader
 from common.tensors import weights as W
 from learner.sync.base import PushSender, Sent
 from learner.sync.control import SyncError, SyncSession

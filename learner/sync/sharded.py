@@ -37,18 +37,24 @@ samples each tensor while its gathered copy exists: no second gather. It is the 
 ``common.tensors.weights.fingerprint`` fed one tensor at a time (``tests/test_sync_fsdp.py`` pins the two
 equal).
 
-What this module does not know: servers, transports, or when to sync.
+Derived weights: a served weight that no single parameter holds (an adapted layer's W + ΔW under
+``model.adapter.sync: merged``) is a :class:`Derived` entry: its parts (the base weight and the adapter's
+tensors, each a DTensor) are gathered whole in their own dtype, in order, on every rank, and rank 0 alone
+combines them (learner/recipe_sharded.py merges with peft) and casts the result to the serving dtype. Such
+an entry costs one all-gather per part: ``gathers`` counts each.
+
+What this module does not know: servers, transports, peft, or when to sync.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from common.protocol import SYNC_DTYPE_BYTES
+from common.wire.sync import SYNC_DTYPE_BYTES
 from common.tensors import weights as W
 from learner.distributed import Dist
 
@@ -67,6 +73,21 @@ def gather_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     if mesh is not None and mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class Derived:
+    """A served weight computed from several (sharded) tensors: ``combine(parts gathered whole)`` on rank 0.
+
+    ``shape`` / ``dtype``: the served tensor's, before the cast to the serving dtype (plans and snapshots
+    read them as they read a DTensor's). ``combine`` runs on rank 0 only and must not call a collective.
+    """
+
+    def __init__(self, parts: Sequence[torch.Tensor], combine: Callable[[list[torch.Tensor]], torch.Tensor],
+                 shape: torch.Size, dtype: torch.dtype) -> None:
+        self.parts, self.combine, self.shape, self.dtype = list(parts), combine, torch.Size(shape), dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
 
 
 class ShardedWeights:
@@ -158,9 +179,24 @@ class ShardedWeights:
             yield name, self._full(i, t.dtype)
 
     def _full(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        name, p = self.named[i]
+        if not isinstance(p, Derived):
+            return self._gather(name, p, dtype)
+        # parts in their own dtype (a merge of cast parts would not be the merge of the weights); the cast after
+        parts = [self._gather(name, t, t.dtype) for t in p.parts]
+        if not self.dist.is_main:
+            return parts[0]  # ranks > 0 drop what they gather
+        try:
+            with torch.no_grad():
+                return p.combine(parts).to(dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - a bug, not a push failure: the ranks' gathers would part ways
+            self._broken = True
+            raise GatherError(f"{self.dist.where}: combining the gathered parts of {name!r} failed "
+                              f"({type(exc).__name__}: {exc}); the other ranks' next collective times out") from exc
+
+    def _gather(self, name: str, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        name, p = self.named[i]
         with torch.no_grad():
             if not isinstance(p, DTensor):  # not sharded: every rank holds it whole
                 return p.detach().to(device=self.device, dtype=dtype)
@@ -229,4 +265,4 @@ class BucketGather:
         return tensors
 
 
-__all__ = ["BucketGather", "GatherError", "RunningFingerprint", "ShardedWeights", "gather_device"]
+__all__ = ["BucketGather", "Derived", "GatherError", "RunningFingerprint", "ShardedWeights", "gather_device"]

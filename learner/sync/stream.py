@@ -2,7 +2,7 @@
 
 An ``http`` sync session whose ``/sync/init`` reply carries a ``data_token`` takes its buckets on one
 TCP connection to the server's own port (opened with ``MAGIC``, kept across buckets and pushes):
-per bucket a length-prefixed JSON header (token + :class:`common.protocol.SyncBucketHeader`), the raw
+per bucket a length-prefixed JSON header (token + :class:`common.wire.http.SyncBucketHeader`), the raw
 bytes with one ``sendall`` (no copy), then the server's length-prefixed reply. Every socket operation
 carries the session's remaining deadline.
 
@@ -22,8 +22,8 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from common.protocol import STREAM_MAGIC as MAGIC
-from common.protocol import SyncBucketHeader, SyncBucketResponse
+from common.wire.sync import STREAM_MAGIC as MAGIC
+from common.wire.sync import SyncBucketHeader, SyncBucketResponse
 
 log = logging.getLogger(__name__)
 

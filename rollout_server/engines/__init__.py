@@ -28,7 +28,7 @@ def check_model_dir(path: str) -> str | None:
 
 def make_engine(cfg: Any) -> Engine:
     """The engine ``cfg.rollout_server.engine`` names, constructed but not started; it resizes images with
-    ``data.min_pixels`` / ``data.max_pixels`` as the learner's encoder does (common/image_size.py)."""
+    ``data.min_pixels`` / ``data.max_pixels`` as the learner's encoder does (common/data/image_size.py)."""
     srv = cfg.rollout_server
     path = served_model_path(cfg)
     if srv.engine == "hf":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from common.protocol import AdapterSpec, TensorSpec
+from common.wire.sync import AdapterSpec, TensorSpec
 from common.tensors import weights as W
 
 ADAPTER = "default"  # peft's adapter name inside the shadow

@@ -29,8 +29,9 @@ from typing import Any
 
 from dataclasses import dataclass, field
 
-from common.images import InputError
-from common.protocol import AdapterSpec, InferItem, InferOutput, SamplingParams, TensorSpec
+from common.data.images import InputError
+from common.wire.sync import AdapterSpec, TensorSpec
+from common.wire.http import InferItem, InferOutput, SamplingParams
 
 
 #: A request the engine cannot serve as given (missing image, prompt too long, ...): a 4xx naming

@@ -1,7 +1,7 @@
 """The ``hf`` engine: the rollout server's transformers backend, CPU or GPU.
 
 :class:`HFEngine` is the :class:`~rollout_server.engines.base.Engine` the server runs around
-:class:`common.tensors.generate.HFGenerator` (prompts, batching, vLLM sampling semantics):
+:class:`common.generation.generator.HFGenerator` (prompts, batching, vLLM sampling semantics):
 generation on one worker thread (the event loop stays free for /health, /metrics and the fence),
 cancellation by a flag checked after every token, and a staged weight update swapped in under
 the fence. On CUDA it also receives weights over NCCL with the same packed protocol as vLLM's
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from common.image_size import processor_pixels
-from common.protocol import InferItem, InferOutput, SamplingParams
-from common.processor import load_processor
+from common.data.image_size import processor_pixels
+from common.wire.http import InferItem, InferOutput, SamplingParams
+from common.data.processor import load_processor
 from common.tensors import packed as P
 from common.tensors import weights as W
-from common.tensors.generate import HFGenerator
-from common.tensors.sampling import CancelledGeneration
+from common.generation.generator import HFGenerator
+from common.generation.sampling import CancelledGeneration
 from common.tensors.shared import gpu_uuid, open_shared
 from rollout_server.engines.adapter_merge import AdapterMerger, adapter_tensor_specs
 from rollout_server.engines.base import Engine, WeightUpdateError, check_token_budget

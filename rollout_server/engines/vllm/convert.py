@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from common.protocol import InferItem, InferOutput, SamplingParams
+from common.wire.http import InferItem, InferOutput, SamplingParams
 from rollout_server.engines.base import EngineInputError
 
 
@@ -48,7 +48,7 @@ def sampling_kwargs(s: SamplingParams, stop_ids: list[int]) -> dict[str, Any]:
 
 def vllm_prompt(item: InferItem, row: int, tokenizer: Any, vocab: int) -> dict[str, Any]:
     """The prompt dict ``AsyncLLM.generate`` takes for item ``row`` (images loaded here)."""
-    from common.images import load_image
+    from common.data.images import load_image
 
     images = list(item.images or [])
     if item.prompt_token_ids is not None:

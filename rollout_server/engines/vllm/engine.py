@@ -1,9 +1,8 @@
 """The ``vllm`` engine: ``AsyncLLM`` (vLLM 0.20-0.26 API) behind the Engine interface.
 
-Run on H200s with vLLM 0.26.0 (docs/gpu.md, docs/benchmarks.md). Importing this module never
-imports vLLM: vLLM is imported in :meth:`VLLMEngine.start`, so ``import rollout_server.engines.vllm.engine``
-works anywhere and selecting the engine without vLLM fails with :class:`EngineUnavailable` naming
-the fix.
+Run on H200s with vLLM 0.26.0 (docs/gpu.md, docs/benchmarks.md). Importing this module never imports vLLM: vLLM is
+imported in :meth:`VLLMEngine.start`, so ``import rollout_server.engines.vllm.engine`` works anywhere and selecting
+the engine without vLLM fails with :class:`EngineUnavailable` naming the fix.
 
 Mapping onto vLLM:
 
@@ -22,7 +21,7 @@ Mapping onto vLLM:
   count as one token: vLLM expands them later and checks ``max_model_len`` itself). How items, sampling
   and outputs translate to vLLM's (every sampling field explicit, chat prompts as text plus PIL
   images, logprobs of the sampled token) is :mod:`rollout_server.engines.vllm.convert`.
-* Image size: ``data.min/max_pixels`` as ``mm_processor_kwargs``, as the encoder's (common/image_size.py).
+* Image size: ``data.min/max_pixels`` as ``mm_processor_kwargs``, as the encoder's (common/data/image_size.py).
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
   cancelled every request when ``pause()`` runs ``pause_generation(mode="abort", clear_cache=True)``
   (never ``keep``: requests would straddle versions); ``resume()`` runs ``resume_generation``.
@@ -63,8 +62,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from common import image_size
-from common.protocol import InferItem, InferOutput, SamplingParams, SyncBucketHeader, SyncInitRequest, TensorSpec
+from common.data import image_size
+from common.wire.http import InferItem, InferOutput, SamplingParams
+from common.wire.sync import SyncBucketHeader, SyncInitRequest, TensorSpec
 from rollout_server.engines.base import (Engine, EngineInputError, EngineUnavailable, WeightUpdateError,
                                          check_token_budget)
 from rollout_server.engines.vllm.convert import infer_output, sampling_kwargs, stop_token_ids, vllm_prompt

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from common.protocol import SharedBuffer
+from common.wire.sync import SharedBuffer
 from common.tensors import weights as W
 from common.tensors.shared import gpu_uuid, open_shared
 from rollout_server.engines.vllm.fast_loader import NUM_BUFFERS, FastLoader

@@ -1,7 +1,7 @@
 """The vLLM engine's side of ``transport: ipc``: a bucket loaded by the GPU worker straight from the learner's memory.
 
 For the one-GPU topology (learner and vLLM on one device). ``/sync/ipc`` names a bucket in the
-learner's shared buffer (:class:`common.protocol.SyncIpcRequest`); :meth:`IpcReceiver.receive_ipc`
+learner's shared buffer (:class:`common.wire.http.SyncIpcRequest`); :meth:`IpcReceiver.receive_ipc`
 checks it against the manifest and the GPU, then one ``collective_rpc("tandem_load_shared")`` has the
 worker open the buffer (CUDA IPC: no host round trip) and run the model's own weight loaders on views
 of it (:meth:`rollout_server.engines.vllm.extension.TandemWorkerExtension.tandem_load_shared`). The
