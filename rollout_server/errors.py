@@ -1,5 +1,6 @@
 """How the server answers errors: the one exception routes raise (an :class:`common.wire.http.ErrorResponse`
-with a status), its JSON, and the middleware that turns any other exception into a 500 of the same shape."""
+with a status), the statuses OpenAPI lists for a route, its JSON, and the middleware that turns any other
+exception into a 500 of the same shape. The handlers that map FastAPI's own errors are rollout_server/app.py's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from typing import Any
 from common.wire.http import ErrorResponse
 
 log = logging.getLogger(__name__)
+
+#: The error statuses a tandem route may answer, as OpenAPI states them (every one an ``ErrorResponse``).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 408, 409, 413, 422, 500, 503, 504)
+}
 
 
 class ApiError(Exception):

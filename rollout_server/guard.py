@@ -4,7 +4,7 @@
 FastAPI reads or parses a byte of the body::
 
     request ──► /sync* without the bearer token (when one is set) ─────────────► 401, body never read
-        │   ──► /sync/bucket ───► the route (app.py) checks header and session, then streams the body
+        │   ──► /sync/bucket ───► the route (routes/sync.py) checks header and session, then streams the body
         │                         itself through read_body under the session's deadlines
         │   ──► any other body ─► read_body: size cap counted as bytes arrive (chunked or not; a larger
         │                         Content-Length is refused before reading), a gap of body_read_timeout_s
@@ -143,7 +143,7 @@ class RequestGuard:
                                     headers=exc.headers)
             await response(scope, receive, send)
             return
-        if body is None:  # no body, or /sync/bucket: the route streams its own (app.py)
+        if body is None:  # no body, or /sync/bucket: the route streams its own (routes/sync.py)
             await self.app(scope, receive, send)
             return
         replayed = False

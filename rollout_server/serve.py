@@ -89,7 +89,7 @@ def run(cfg: Any, sock: socket.socket) -> int:
     from rollout_server.sync_stream import sniffing_protocol
 
     # Connections that open with the bucket-stream magic carry sync buckets (rollout_server/sync_stream.py).
-    http = sniffing_protocol(AutoHTTPProtocol, app.state.sync, srv.max_bucket_mb << 20)
+    http = sniffing_protocol(AutoHTTPProtocol, app.state.server.sync, srv.max_bucket_mb << 20)
     server = uvicorn.Server(uvicorn.Config(app, log_level=srv.log_level.lower(), access_log=False, lifespan="on",
                                            timeout_graceful_shutdown=srv.shutdown_grace_s, http=http))
     host, port = sock.getsockname()[:2]

@@ -111,8 +111,8 @@ class SyncController:
     async def request_failed(self, session_id: str | None, exc: ApiError) -> ApiError:
         """THE rule for a /sync/* request that fails -- request validation (422), transport (408, 413,
         a dropped upload) or semantics (409, 4xx from the engine, 5xx): see :meth:`_request_failed`.
-        Routes call it for failures found before the controller runs (app.py: validation errors);
-        :meth:`_op` for everything after."""
+        Routes call it for failures found before the controller runs (app.py: validation errors;
+        routes/sync.py: a bad bucket header, a refused or stalled upload); :meth:`_op` for everything after."""
         async with self._lock:
             return await self._request_failed(session_id, exc)
 
@@ -153,7 +153,7 @@ class SyncController:
     @contextlib.contextmanager
     def receiving(self, session_id: str):
         """Mark the session busy while a bucket body is still arriving. The body is read under a gap
-        deadline of at most ``idle_timeout_s`` and the session's deadline (app.py), so a stalled
+        deadline of at most ``idle_timeout_s`` and the session's deadline (routes/sync.py), so a stalled
         upload ends the session through :meth:`request_failed` as an idle one would."""
         s = self.session
         if s is None or s.id != session_id:

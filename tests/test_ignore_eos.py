@@ -54,7 +54,7 @@ def test_vllm_gets_no_stop_ids_and_its_own_flag_with_ignore_eos():
 
 
 def test_ignore_eos_travels_only_when_set_and_v1_completions_takes_it():
-    from rollout_server.openai_routes import CompletionRequest
+    from rollout_server.routes.openai import CompletionRequest
 
     assert "ignore_eos" not in json.loads(SamplingParams(max_tokens=4).model_dump_json())  # older peers still parse
     assert json.loads(SamplingParams(max_tokens=4, ignore_eos=True).model_dump_json())["ignore_eos"] is True

@@ -18,7 +18,7 @@ Lifecycle and the calls the fence makes, in order, for one weight sync::
     stop()                                    once, at shutdown
 
 What an engine does not know: HTTP, versions, sessions, authentication. Those live in
-``rollout_server/app.py``, ``rollout_server/fence.py`` and ``rollout_server/sync.py``.
+``rollout_server/routes/``, ``rollout_server/fence.py`` and ``rollout_server/sync.py``.
 """
 
 from __future__ import annotations

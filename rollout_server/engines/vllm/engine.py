@@ -154,7 +154,7 @@ class VLLMEngine(IpcReceiver, Engine):
         if self._dp > 1:  # every GPU of rollout_server.gpus is used: len(gpus) / TP replicas in one engine
             args["data_parallel_size"] = self._dp
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-        # What vLLM settled on (rollout_server.max_model_len, or the model's own): app.py refuses a token-id
+        # What vLLM settled on (rollout_server.max_model_len, or the model's own): routes/infer.py refuses a token-id
         # prompt past it before admission.
         self.max_model_len = getattr(getattr(self.llm, "model_config", None), "max_model_len", None)
         from transformers import AutoTokenizer

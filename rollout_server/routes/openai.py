@@ -12,8 +12,11 @@ them. Sampling maps onto :class:`common.wire.http.SamplingParams` like vLLM's Op
 completions (the OpenAI default) and 512 for chat. Requests go through the same fence as /infer: the
 batch's ``ver`` is in ``system_fingerprint`` as ``ver-<n>``. Images must be ``data:`` URIs (the server
 does not download, and this route does not read server-side paths). Errors under ``/v1`` use
-OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}`` so OpenAI clients show the
-message; every other route answers with ``common.wire.http.ErrorResponse``.
+OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}`` (rollout_server/errors.py) so
+OpenAI clients show the message; every other route answers with ``common.wire.http.ErrorResponse``.
+
+What this module does not know: tandem's own bodies beyond the ones it translates to
+(``InferItem``, ``SamplingParams``), or how a batch is admitted and run (:func:`rollout_server.routes.infer.generate`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from common.wire.base import Message, content_only, error_location
 from common.wire.http import (MAX_INT32, MAX_SEED, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, REPETITION_PENALTY_RANGE,
                               ChatMessage, ChatPart, InferItem, SamplingParams, StopString, TokenId)
-from rollout_server.engines.base import Engine
 from rollout_server.errors import ApiError
+from rollout_server.routes.infer import generate
+from rollout_server.state import Server
 
 #: What an image part's URL must look like (the payload is checked when the image is read: a 400).
 DATA_URI = r"^data:image/[A-Za-z0-9.+-]+;base64,[A-Za-z0-9+/=]+$"
@@ -164,67 +168,60 @@ def _chat_message(m: ChatMessageIn) -> ChatMessage:
         for p in m.content])
 
 
-def openai_router(engine: Engine, generate: Callable[..., Any], require_ready: Callable[[], None]) -> APIRouter:
-    """The /v1 routes over ``engine``; ``generate(request, items, sampling, min_ver, field)`` is /infer's path
-    (readiness, budgets, the fence, cancellation when the client disconnects)."""
-    router = APIRouter(prefix="/v1")
-
-    def model_id() -> str:
-        return engine.model_path
-
-    @router.get("/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id(), "object": "model", "created": 0, "owned_by": "tandem",
-                                            "root": model_id()}]}
-
-    async def complete(request: Request, items: list[InferItem], sampling: SamplingParams,
-                       field: str) -> tuple[int, list[Any]]:
-        ticket, outputs = await generate(request, items, sampling, None, field)
-        return ticket.ver, outputs
-
-    def wrap(make: Callable[[], Any]) -> Any:
-        try:
-            return make()
-        except ValidationError as exc:  # our protocol models rejected the translated request
-            problems = [(".".join(error_location(e)), e["msg"]) for e in exc.errors()]
-            raise ApiError(400 if content_only(exc.errors()) else 422, "bad_request", str(exc).splitlines()[0] + ": " + "; ".join(
-                f"{loc}: {msg}" for loc, msg in problems), field=problems[0][0] if problems else None) from None
-
-    # The /v1 handlers answer JSONResponse: one json.dumps, where a returned dict is validated against its
-    # annotation first (and, before FastAPI 0.130, converted to JSON-able objects before the dumps).
-    @router.post("/completions", responses=OPENAI_ERRORS)
-    async def completions(req: CompletionRequest, request: Request) -> JSONResponse:
-        sampling = wrap(lambda: req.sampling(COMPLETION_DEFAULT_MAX_TOKENS))
-        prompts = req.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if not prompts:
-            raise ApiError(400, "bad_request", "prompt is empty", field="prompt")
-        require_ready()  # text prompts are tokenized here, by the engine's tokenizer
-        # Tokenizing is CPU work (a 64 MB prompt: seconds): on a thread, so the event loop keeps serving.
-        encoded = await asyncio.to_thread(lambda: [p if isinstance(p, list) else engine.encode_text(p) for p in prompts])
-        items = wrap(lambda: [InferItem(prompt_token_ids=ids) for ids in encoded])
-        ver, outputs = await complete(request, items, sampling, "prompt")
-        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion",
-                             "created": int(time.time()), "model": model_id(), "system_fingerprint": f"ver-{ver}",
-                             "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
-                                          "logprobs": None} for i, o in enumerate(outputs)],
-                             "usage": _usage(outputs)})
-
-    @router.post("/chat/completions", responses=OPENAI_ERRORS)
-    async def chat(req: ChatRequest, request: Request) -> JSONResponse:
-        sampling = wrap(lambda: req.sampling(CHAT_DEFAULT_MAX_TOKENS))
-        messages = wrap(lambda: [_chat_message(m) for m in req.messages])
-        item = wrap(lambda: InferItem(messages=messages))
-        ver, outputs = await complete(request, [item], sampling, "messages")
-        o = outputs[0]
-        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion",
-                             "created": int(time.time()), "model": model_id(), "system_fingerprint": f"ver-{ver}",
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
-                                          "finish_reason": o.finish_reason, "logprobs": None}],
-                             "usage": _usage(outputs)})
-
-    return router
+router = APIRouter(prefix="/v1")
 
 
-__all__ = ["openai_router", "CompletionRequest", "ChatRequest"]
+@router.get("/models")
+async def models(server: Server) -> dict[str, Any]:
+    model_id = server.engine.model_path
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "tandem",
+                                        "root": model_id}]}
+
+
+def wrap(make: Callable[[], Any]) -> Any:
+    """``make()``, with a ValidationError of our protocol models (the translated request) answered as ours are."""
+    try:
+        return make()
+    except ValidationError as exc:  # our protocol models rejected the translated request
+        problems = [(".".join(error_location(e)), e["msg"]) for e in exc.errors()]
+        raise ApiError(400 if content_only(exc.errors()) else 422, "bad_request", str(exc).splitlines()[0] + ": " + "; ".join(
+            f"{loc}: {msg}" for loc, msg in problems), field=problems[0][0] if problems else None) from None
+
+
+# The /v1 handlers answer JSONResponse: one json.dumps, where a returned dict is validated against its
+# annotation first (and, before FastAPI 0.130, converted to JSON-able objects before the dumps).
+@router.post("/completions", responses=OPENAI_ERRORS)
+async def completions(req: CompletionRequest, request: Request, server: Server) -> JSONResponse:
+    engine = server.engine
+    sampling = wrap(lambda: req.sampling(COMPLETION_DEFAULT_MAX_TOKENS))
+    prompts = req.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    if not prompts:
+        raise ApiError(400, "bad_request", "prompt is empty", field="prompt")
+    server.require_ready()  # text prompts are tokenized here, by the engine's tokenizer
+    # Tokenizing is CPU work (a 64 MB prompt: seconds): on a thread, so the event loop keeps serving.
+    encoded = await asyncio.to_thread(lambda: [p if isinstance(p, list) else engine.encode_text(p) for p in prompts])
+    items = wrap(lambda: [InferItem(prompt_token_ids=ids) for ids in encoded])
+    ticket, outputs = await generate(server, request, items, sampling, None, "prompt")
+    return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion",
+                         "created": int(time.time()), "model": engine.model_path,
+                         "system_fingerprint": f"ver-{ticket.ver}",
+                         "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                                      "logprobs": None} for i, o in enumerate(outputs)],
+                         "usage": _usage(outputs)})
+
+
+@router.post("/chat/completions", responses=OPENAI_ERRORS)
+async def chat(req: ChatRequest, request: Request, server: Server) -> JSONResponse:
+    sampling = wrap(lambda: req.sampling(CHAT_DEFAULT_MAX_TOKENS))
+    messages = wrap(lambda: [_chat_message(m) for m in req.messages])
+    item = wrap(lambda: InferItem(messages=messages))
+    ticket, outputs = await generate(server, request, [item], sampling, None, "messages")
+    o = outputs[0]
+    return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion",
+                         "created": int(time.time()), "model": server.engine.model_path,
+                         "system_fingerprint": f"ver-{ticket.ver}",
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
+                                      "finish_reason": o.finish_reason, "logprobs": None}],
+                         "usage": _usage(outputs)})
