@@ -265,11 +265,13 @@ def _sync_stall(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _sync_bytes(s: dict[str, Any]) -> str:
-    """``; 1.2 MB sent, 14.0 MB left on the servers`` when the records carry the pushes' bytes (else nothing)."""
+    """``; 1.2 MB sent, 14.0 MB left on the servers`` when the records carry the pushes' bytes (else nothing); a run
+    that left nothing there (a full fine-tune) says only what it sent."""
     sent, skipped = s.get("sync_bytes") or 0.0, s.get("sync_skipped_bytes") or 0.0
     if not sent and not skipped:
         return ""
-    return f"; {sent / 1e6:.1f} MB sent, {skipped / 1e6:.1f} MB left on the servers (frozen or merged there)"
+    left = f", {skipped / 1e6:.1f} MB left on the servers (frozen or merged there)" if skipped else ""
+    return f"; {sent / 1e6:.1f} MB sent{left}"
 
 
 def _syncs(records: list[dict[str, Any]], final: dict[str, Any] | None) -> int:

@@ -166,3 +166,12 @@ def test_a_run_without_eval_records_says_why(tmp_path, capsys):
     (run / "run_config.yaml").write_text("data:\n  train_jsonl: d/train.jsonl\n  val_jsonl: d/val.jsonl\n")
     print_summary(run)
     assert "no evaluation records (data.val_jsonl = d/val.jsonl; did the run reach" in capsys.readouterr().out
+
+
+def test_the_sync_bytes_name_what_was_left_on_the_servers_only_when_something_was():
+    from launcher.summary import _sync_bytes
+
+    assert _sync_bytes({"sync_bytes": 29.4e6, "sync_skipped_bytes": 0.0}) == "; 29.4 MB sent"
+    assert _sync_bytes({"sync_bytes": 1.2e6, "sync_skipped_bytes": 14e6}) == \
+        "; 1.2 MB sent, 14.0 MB left on the servers (frozen or merged there)"
+    assert _sync_bytes({}) == ""
