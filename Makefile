@@ -47,14 +47,10 @@ launch-rollout: $(STAMP)
 stage-b: $(STAMP) tiny-model
 	$(PYTHON) -m stage_b.launch --gpus $(GPUS) --config configs/stage_b/demo_cpu.yaml
 
+# The CPU benchmarks of each component (bench/scenarios/cpu-components.yaml); every named scenario, GPU ones
+# included, with what it needs: python3 bench/run_scenario.py --list (docs/benchmarks.md).
 bench: $(STAMP) data tiny-model
-	$(PYTHON) bench/bench_rollout_server.py
-	$(PYTHON) bench/bench_actor.py
-	$(PYTHON) bench/bench_packing.py
-	$(PYTHON) bench/bench_pack_bytes.py
-	$(PYTHON) bench/bench_learner.py
-	$(PYTHON) bench/bench_sync_modes.py
-	$(PYTHON) bench/bench_soak.py --duration-s 180
+	$(PYTHON) bench/run_scenario.py cpu-components --out runs/bench --echo
 
 docs: $(STAMP)
 	$(PYTHON) -m common.config.docs --markdown > docs/config.md

@@ -138,7 +138,8 @@ class Pipeline:
 
     def rollout_batch(self, samples: Sequence[Sample], client: Any, *, ver_hint: int | None = None,
                       client_id: str | None = None) -> list[Rollout]:
-        """Roll out ``samples`` in /infer calls of ``rollout_decode_batch_size`` (independent of the learner micro-batch).
+        """Roll out ``samples`` in /infer calls of ``rollout_decode_batch_size`` (independent of the learner
+        micro-batch).
 
         ``ver_hint``: the lowest server ``ver`` worth generating under (passed as ``min_ver``); None = any.
         Retries, splitting and back-off are the client's.

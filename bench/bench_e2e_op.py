@@ -41,10 +41,10 @@ sys.path.insert(0, str(REPO))
 
 #: The summary's figures the line reports (launcher/summary.py names them).
 FIELDS = ("steps", "steps_a", "steps_b", "syncs", "ver_final", "busy_fraction", "sync_mode", "sync_stall_share",
-          "sync_stall_median_s", "sync_stall_n", "sync_bytes", "tokens_per_s_median", "mfu_median", "peak_tflops",
-          "peak_source", "step_time_median_s", "peak_memory_gb_by_rank", "wait_for_packs_s", "mean_fill_a",
-          "mean_fill_b", "packs_trained_b", "rollouts_trained", "rollouts_valid_share", "drop_stale_total",
-          "nonfinite_skipped")
+          "sync_stall_share_after_start", "sync_stall_median_s", "sync_stall_n", "sync_bytes", "tokens_per_s_median",
+          "mfu_median", "peak_tflops", "peak_source", "step_time_median_s", "peak_memory_gb_by_rank",
+          "wait_for_packs_s", "mean_fill_a", "mean_fill_b", "packs_trained_b", "rollouts_trained",
+          "rollouts_valid_share", "drop_stale_total", "nonfinite_skipped")
 
 
 def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config, args.preset, args.vocab, args.side, args.max_objects, args.n = \
             "configs/demo_cpu.yaml", "tiny", args.vocab or 0, 112, 4, 16
         args.steps = min(args.steps, 6)
-        overrides = ["stage2_ab.channel_b.async.sync_every_steps=2", *overrides]
+        overrides = ["weight_sync.every_steps=2", *overrides]
     elif args.vocab is None:
         args.vocab = 151936
     line = run(args, overrides)

@@ -5,12 +5,13 @@
 
 A real rollout server (hf engine, CPU) serves the ``sync-300mb`` preset of ``tools/make_tiny_model.py``
 (~312 MB of float32 weights); this process holds the learner's copy and pushes it with
-``HttpWeightSender`` (``learner/sync/http.py``: packed buckets, raw bytes, one reusable host buffer)
+``HttpWeightSender`` (``learner/weight_sync/http.py``: packed buckets, raw bytes, one reusable host buffer)
 through the fence, perturbing every weight before each push. ``http_gb_s`` = bytes / wire time of a
 push (packing + transfer + the server staging the tensors; median over the timed pushes, after one
-warm-up). ``raw_socket_gb_s``: the same number of bytes through one TCP connection on loopback into a ``recv_into`` loop filling a preallocated buffer in another process
-(median over ``--reps`` sends) — what the box's loopback allows. The served weights are checked after
-the last push (``GET /sync/digest`` == the exact digest of the pushed tensors; exit 2 if not).
+warm-up). ``raw_socket_gb_s``: the same number of bytes through one TCP connection on loopback into a
+``recv_into`` loop filling a preallocated buffer in another process (median over ``--reps`` sends) — what
+the box's loopback allows. The served weights are checked after the last push (``GET /sync/digest`` == the
+exact digest of the pushed tensors; exit 2 if not).
 Final line: one JSON object with ``http_gb_s``, ``raw_socket_gb_s`` and their ratio.
 """
 
@@ -32,9 +33,9 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from common.tensors import weights as W  # noqa: E402
-from learner.sync import cast_stream, plan  # noqa: E402
-from learner.sync.http import HttpWeightSender  # noqa: E402
+from common.weight_sync import weights as W  # noqa: E402
+from learner.weight_sync.base import cast_stream, plan  # noqa: E402
+from learner.weight_sync.http import HttpWeightSender  # noqa: E402
 from tests.server_proc import rollout_server_process  # noqa: E402
 from tools.make_tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pushes, args.reps = 2, 2
     from transformers import AutoModelForImageTextToText
 
-    from learner.sync.boundary import named_weights
+    from learner.weight_sync.boundary import named_weights
 
     model_dir = ensure_tiny_model(args.model, preset="sync-300mb")
     weights = dict(named_weights(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)))

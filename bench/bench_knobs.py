@@ -10,7 +10,7 @@ without sharing cores; ``--parallel`` of them at a time. Rows (bench/knobs_lib.p
     python bench/bench_knobs.py --point a:training.max_steps=20 --point b:training.max_steps=30   # any overrides
 
 Sweeps: ``b_ratio`` = stage2_ab.schedule.b_ratio ∈ {0.05, 0.1, 0.2, 0.3, 0.4}; ``sync_window`` =
-async.sync_every_steps {1, 2, 4} × async.version_window {1, 2, 4}.
+weight_sync.every_steps {1, 2, 4} × stage2_ab.channel_b.async.version_window {1, 2, 4}.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from knobs_lib import markdown_table, plot, run_row  # noqa: E402
 A = "stage2_ab.channel_b.async."
 SWEEPS = {
     "b_ratio": [(f"b{r}", [f"stage2_ab.schedule.b_ratio={r}"], {"b_ratio": r}) for r in (0.05, 0.1, 0.2, 0.3, 0.4)],
-    "sync_window": [(f"s{s}w{w}", [f"{A}sync_every_steps={s}", f"{A}version_window={w}"],
+    "sync_window": [(f"s{s}w{w}", [f"weight_sync.every_steps={s}", f"{A}version_window={w}"],
                      {"sync_every_steps": s, "version_window": w}) for s, w in itertools.product((1, 2, 4), (1, 2, 4))],
 }
 

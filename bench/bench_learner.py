@@ -159,13 +159,14 @@ def main() -> int:
         "training.progress=false", f"training.gradient_accumulation_steps={args.ga}",
         f"training.global_max_length={args.packing_length}", "learner.nproc_per_node=1", "learner.pack_wait_s=0",
         f"rollout_matching.vllm.servers=[{{base_url: '{server}'}}]",
-        f"stage2_ab.channel_b.async.sync_every_steps={args.sync_every if args.server else 1000000}",
+        f"weight_sync.every_steps={args.sync_every if args.server else 1000000}",
         "stage2_ab.channel_b.async.queue_limit=8", f"stage2_ab.channel_b.async.prefetch_target_packs={max(4, args.ga)}",
         "stage2_ab.channel_b.async.version_window=4",
     ]
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", overrides, world_size=1)
     if not args.server:
-        logging.getLogger("learner.sync.boundary").setLevel(logging.CRITICAL)  # the one start-up sync fails by design
+        # the one start-up sync fails by design
+        logging.getLogger("learner.weight_sync.boundary").setLevel(logging.CRITICAL)
     dist = Dist("gloo")
     learner = Learner(cfg, dist)
     a = cfg.stage2_ab.channel_b.async_

@@ -258,12 +258,14 @@ def run_row(row: str, model, packs, args, optimizer, scheduler, coord_ids, dtype
             peak_tflops: float, lm_params: int) -> dict:
     import torch
 
-    from learner.model import compile_blocks
+    from learner.model import compile_blocks, set_checkpointing
     from learner.throughput import mfu
 
     attn_row, *flags = row.split("+")
     loss_head = "chunked" if "chunked" in flags else "plain"
     attn = set_attention(model, attn_row)
+    every = next((int(f.removeprefix("ckpt")) for f in flags if f.startswith("ckpt")), 1)
+    set_checkpointing(model, every)
     if "compile" in flags:
         compile_blocks(model)
 
@@ -283,7 +285,7 @@ def run_row(row: str, model, packs, args, optimizer, scheduler, coord_ids, dtype
     med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
     tokens_per_s = statistics.median(r["tokens"] / r["step_s"] for r in timed)
     return {
-        "row": row, "attn": attn_row, "loss_head": loss_head, "device": device_name(device),
+        "row": row, "attn": attn_row, "loss_head": loss_head, "checkpoint_every": every, "device": device_name(device),
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(mfu(tokens_per_s, lm_params, peak_tflops), 4),
         "peak_gib": round(peak, 2) if peak is not None else None,
@@ -308,7 +310,7 @@ def device_name(device) -> str:
 
 
 ATTN_ROWS = ("sdpa", "varlen-vision", "varlen")
-ROW_FLAGS = ("chunked", "compile")
+ROW_FLAGS = ("chunked", "compile", "ckpt0", "ckpt2", "ckpt3", "ckpt4")  # ckptN: recompute every Nth layer (0: none)
 
 
 def main(argv: list[str] | None = None) -> int:

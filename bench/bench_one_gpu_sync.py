@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from learner.sync import make_sender  # noqa: E402
+from learner.weight_sync.transport import make_sender  # noqa: E402
 from tests.server_proc import rollout_server_process  # noqa: E402
 
 

@@ -58,7 +58,7 @@ ARMS: dict[str, list[str]] = {
     "a_only": ["stage2_ab.schedule.b_ratio=0"],
     "async_ab": ["stage2_ab.schedule.b_ratio=0.5", "stage2_ab.channel_b.mode=async"],
     "step": ["stage2_ab.schedule.b_ratio=0.5", "stage2_ab.channel_b.mode=step",
-             "stage2_ab.channel_b.enable_pipeline=true", "stage2_ab.channel_b.async.sync_mode=blocking"],
+             "stage2_ab.channel_b.enable_pipeline=true", "weight_sync.mode=blocking"],
 }
 
 

@@ -106,7 +106,7 @@ def sync_times(url: str, model_dir: Path, bucket_mb: float, repeats: int) -> dic
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from learner.sync.http import HttpWeightSender
+    from learner.weight_sync.http import HttpWeightSender
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     reports = []

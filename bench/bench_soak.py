@@ -62,7 +62,7 @@ def overrides(out: Path, base_port: int, args: argparse.Namespace) -> list[str]:
         "training.global_max_length=768", "training.pack_max_wait_s=0.5", "training.eval_every_steps=0",
         f"training.max_train_seconds={args.duration_s + LEARNER_MARGIN_S}", "learner.nproc_per_node=1", "learner.pack_wait_s=0",
         "rollout_matching.vllm.servers=[{base_url: 'http://127.0.0.1:9'}]",  # the discard port: syncs fail fast
-        "stage2_ab.channel_b.async.sync_every_steps=100000000", "stage2_ab.channel_b.async.sync_mode=blocking",
+        "weight_sync.every_steps=100000000", "weight_sync.mode=blocking",
         "stage2_ab.channel_b.async.queue_limit=6", "stage2_ab.channel_b.async.prefetch_target_packs=3",
         "stage2_ab.channel_b.async.version_window=2", "stage2_ab.schedule.b_ratio=0.5",
         f"transport.base_port={base_port}", "transport.hwm=16", "transport.credit_interval_s=0.1",

@@ -1,4 +1,4 @@
-"""Learner-visible weight-sync stall, ``sync_mode: blocking`` vs ``overlap``, side by side in one run.
+"""Learner-visible weight-sync stall, ``weight_sync.mode: blocking`` vs ``overlap``, side by side in one run.
 
     python bench/bench_sync_modes.py [--nproc 2] [--rounds 3] [--steps 24] [--sync-every 2] [--json out.json]
 
@@ -149,9 +149,9 @@ def main() -> int:
         cfg["training"].update(output_dir=str(out), max_steps=10**6, save_every_steps=0, progress=False,
                                gradient_accumulation_steps=args.ga)
         cfg["stage2_ab"]["schedule"]["b_ratio"] = 0.0
-        cfg["stage2_ab"]["channel_b"]["async"].update(sync_mode="overlap", sync_every_steps=args.sync_every)
+        cfg["weight_sync"].update(mode="overlap", every_steps=args.sync_every)
         cfg["rollout_matching"]["vllm"]["servers"] = [{"base_url": srv.url}]
-        cfg["rollout_matching"]["vllm"]["sync"]["bucket_mb"] = args.bucket_mb
+        cfg["weight_sync"]["bucket_mb"] = args.bucket_mb
         cfg["transport"]["base_port"] = free_port_block(2 * args.nproc)
         cfg["learner"]["nproc_per_node"] = args.nproc
         path = out / "bench.yaml"

@@ -227,7 +227,7 @@ def learner(url: str, model_dir: str, syncs: int, bucket_mb: int, out: str, mode
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from learner.sync.nccl import NcclWeightSender
+    from learner.weight_sync.nccl import NcclWeightSender
 
     modes = modes or ["native"]
     torch.cuda.set_device(0)
@@ -289,7 +289,7 @@ def bench_preset(preset: str, args: argparse.Namespace, tmp: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from common.tensors import weights as W
+    from common.weight_sync import weights as W
     from tests.ports import free_port_block
 
     modes, server_gpus, tp, learner_gpu = args.modes, args.server_gpu_list, args.tp, args.learner_gpu

@@ -7,6 +7,7 @@
 #   STAGE=warm bash bench/gpu_quality.sh            # model, data, warm start, evaluator only
 #   STAGE=bench bash bench/gpu_quality.sh           # the benchmark only (needs /tmp/det05 of a STAGE=warm run)
 #   WS_STEPS=20 BUDGET_S=10 EVAL_EVERY=0 bash bench/gpu_quality.sh   # smoke
+#   python3 bench/run_scenario.py quality-one-gpu [--set STAGE=warm]   # the same as a named scenario
 #
 # Knobs (environment): WS_STEPS (warm-start steps, 1200), WS_LR (3e-4), WS_WARMUP (50), WS_BATCH (8), BUDGET_S (learner seconds
 # per arm, 60), EVAL_EVERY (steps between evaluations, 40), ARMS (a_only,async_ab,step), OUT (results, flat:

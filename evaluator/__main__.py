@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from common.runs import cli
-from evaluator.args import MAX_BATCH, MAX_TOKENS, build_parser, check_args  # noqa: F401 - limits re-exported
+from evaluator.args import build_parser, check_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,11 +24,13 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
       gathered parameters        (2 B + R) p   the block computing, the one prefetched, and the root (kept
                                            gathered through the step); P p with reshard_after_forward: false
       unsharded block gradients  (B + R) max(p, r)   one block's before its reduce-scatter, the root's to the end
-    overlap snapshot            P b        sync_mode overlap: one more copy of the weights (learner/sync/overlap.py)
+    overlap snapshot            P b        weight_sync.mode overlap: one more copy of the weights (learner/weight_sync/overlap.py)
     sync chunk                  bucket_mb  transports other than http pack chunks on the GPU
     activations                 one packed forward of T = packing_length tokens (one pack per micro-step):
       text layers     T L (b (10 h + 4 i) + 16 h)    what a decoder layer keeps for backward, RMSNorm's fp32
-                                                     copies included; gradient checkpointing: T L b h + one layer
+                                                     copies included; gradient checkpointing: T L b h + one layer;
+                                                     every Nth layer (gradient_checkpointing_every N): the
+                                                     ⌈L/N⌉ checkpointed layers T b h each, the rest whole, + one layer
       vision layers   the same per patch, for IMAGE_TOKEN_SHARE of T as image tokens (merge² patches each)
       logits          loss_head plain: (1 - IMAGE_TOKEN_SHARE) T V (b + 8)   logits, their fp32 copy and its
                                                      gradient for every text token: an upper bound (only the
@@ -153,17 +155,20 @@ def _layer_bytes(hidden: int, intermediate: int, b: int) -> int:
     return b * (10 * hidden + 4 * intermediate) + 16 * hidden
 
 
-def _stack_bytes(tokens: float, layers: int, hidden: int, intermediate: int, b: int, checkpointing: bool) -> float:
+def _stack_bytes(tokens: float, layers: int, hidden: int, intermediate: int, b: int, every: int) -> float:
+    """One stack's activations with every ``every``-th layer checkpointed (0: none; module docstring)."""
     if not layers:
         return 0.0
     per_layer = _layer_bytes(hidden, intermediate, b)
-    return tokens * (layers * b * hidden + per_layer if checkpointing else layers * per_layer)
+    checkpointed = -(-layers // every) if every else 0
+    whole = layers - checkpointed + (1 if checkpointed else 0)  # + the layer being recomputed in backward
+    return tokens * (checkpointed * b * hidden + whole * per_layer)
 
 
 def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
     """The learner rank's estimated GPU memory, term by term (bytes)."""
     b, t = DTYPE_BYTES[cfg.model.dtype], cfg.training
-    tokens, ckpt = t.global_max_length, t.gradient_checkpointing
+    tokens, every = t.global_max_length, (t.gradient_checkpointing_every if t.gradient_checkpointing else 0)
     patches = tokens * IMAGE_TOKEN_SHARE * shape.merge ** 2
     p, lrn = shape.num_params, cfg.learner
     world = lrn.nnodes * lrn.nproc_per_node
@@ -173,13 +178,13 @@ def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
         terms = {"weights": p * b, "gradients": p * b, "AdamW state": 2 * p * b}
         if world > 1:
             terms["DDP buckets"] = p * b
-    if cfg.stage2_ab.channel_b.async_.sync_mode == "overlap":
+    if cfg.weight_sync.mode == "overlap":
         terms["overlap snapshot"] = p * b
-    if cfg.rollout_matching.vllm.sync.transport != "http":
-        terms["sync chunk"] = cfg.rollout_matching.vllm.sync.bucket_mb << 20
-    terms["activations"] = int(_stack_bytes(tokens, shape.layers, shape.hidden, shape.intermediate, b, ckpt)
+    if cfg.weight_sync.transport != "http":
+        terms["sync chunk"] = cfg.weight_sync.bucket_mb << 20
+    terms["activations"] = int(_stack_bytes(tokens, shape.layers, shape.hidden, shape.intermediate, b, every)
                                + _stack_bytes(patches, shape.vision_layers, shape.vision_hidden,
-                                              shape.vision_intermediate, b, ckpt)
+                                              shape.vision_intermediate, b, every)
                                + _logits_bytes(t.loss_head, tokens, shape.vocab, b))
     terms["fixed"] = FIXED_BYTES
     return terms
@@ -212,7 +217,7 @@ def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int) -> dict[str,
 
 def server_share(cfg: Config, total: int) -> int:
     """Bytes of the shared GPU the vLLM server holds: its gpu_memory_utilization share + fast-load buffers."""
-    srv, sync = cfg.rollout_server, cfg.rollout_matching.vllm.sync
+    srv, sync = cfg.rollout_server, cfg.weight_sync
     buffers = 2 * (sync.bucket_mb << 20) if srv.weight_load == "fast" and sync.transport != "http" else 0
     return int(srv.gpu_memory_utilization * total) + buffers
 
@@ -254,10 +259,14 @@ def refusal(cfg: Config, shape: ModelShape, total: int, gpus: list[int]) -> str 
         "Change one of:",
     ]
     ckpt_line, ckpt_fits = None, False
-    if not t.gradient_checkpointing:  # at the operating point the one setting that fixes it: then it leads the list
-        with_ckpt = sum(learner_need(replace(cfg, training=replace(t, gradient_checkpointing=True)), shape).values())
+    # at the operating point the one setting that fixes it: then it leads the list
+    if not t.gradient_checkpointing or t.gradient_checkpointing_every > 1:
+        every_layer = replace(t, gradient_checkpointing=True, gradient_checkpointing_every=1)
+        with_ckpt = sum(learner_need(replace(cfg, training=every_layer), shape).values())
         ckpt_fits = with_ckpt <= total - server
-        ckpt_line = ("  training.gradient_checkpointing: true (keeps one activation per layer, recomputes the rest): the "
+        key = ("training.gradient_checkpointing: true" if not t.gradient_checkpointing else
+               f"training.gradient_checkpointing_every: 1 (now {t.gradient_checkpointing_every})")
+        ckpt_line = (f"  {key} (keeps one activation per layer, recomputes the rest): the "
                      f"learner then needs about {_gib(with_ckpt)}" + (", which fits: this alone is enough" if ckpt_fits
                                                                       else ""))
         if ckpt_fits:
@@ -270,7 +279,7 @@ def refusal(cfg: Config, shape: ModelShape, total: int, gpus: list[int]) -> str 
     if ckpt_line is not None and not ckpt_fits:
         lines.append(ckpt_line)
     if "overlap snapshot" in need:
-        lines.append("  stage2_ab.channel_b.async.sync_mode: blocking (no snapshot copy of the weights)")
+        lines.append("  weight_sync.mode: blocking (no snapshot copy of the weights)")
     if cfg.learner.parallel != "fsdp" or not cfg.learner.fsdp.cpu_offload:
         lines.append("  learner.parallel: fsdp with learner.fsdp.cpu_offload: true (weights, gradients and AdamW state "
                      "in host memory; only the blocks computing are on the GPU: configs/gpu/fsdp_7b_1gpu.yaml)")

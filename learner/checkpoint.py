@@ -54,14 +54,11 @@ Write protocol: every rank writes into ``checkpoints/.tmp-<step>``; barrier; ran
 resume ignores (it takes the highest integer directory of the run's own run id).
 
 Retention (``training.save_total_limit``, ``training.keep_best``): after save() returns on every rank, rank 0
-alone deletes the checkpoints the rule drops (:func:`retain`, common/runs/retention.py); no other rank reads an
-older checkpoint, so nothing waits for it.
+alone deletes the checkpoints the rule drops (``learner/checkpointer.py``, common/runs/retention.py); no other
+rank reads an older checkpoint, so nothing waits for it.
 
-Queues are not checkpointed: packs waiting at save time are re-produced by the actors after a
-resume (their keys are not in the ledger). The saved queue counters therefore drop ``in_queue`` and
-``reserved`` from ``received``, so the conservation identity still holds after a resume.
-
-What this module does not know: how the state is used (train.py restores it).
+What this module does not know: when a checkpoint is due or what the learner's state means
+(``learner/checkpointer.py`` decides both and restores it).
 """
 
 from __future__ import annotations
@@ -80,12 +77,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_optimizer_state_dict,
                                                      set_state_dict)
 
-from common.runs import retention
 from common.runs.checkpoints import checkpoints_root, read_b_ledger, write_b_ledger
 from learner.distributed import Dist
 from learner.parallel import is_fsdp
 from learner.recipe import ADAPTER_DIR, adapter_state, base_state, has_adapter, save_adapter
-from learner.sync.boundary import unwrap
+from learner.weight_sync.boundary import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -179,39 +175,6 @@ def save(
         log.info("checkpoint %s written", final)
     dist.barrier(f"checkpoint {step}: renamed into place")
     return final
-
-
-def save_learner(learner: Any) -> Path:
-    """Checkpoint a ``learner.rank.Learner`` at its step (every rank calls it at the same boundary), then, on rank 0,
-    apply checkpoint retention (:func:`retain`). Returns the checkpoint directory."""
-    queue_state = {}
-    if learner.queue is not None:
-        c = learner.queue.snapshot()
-        # Waiting packs are not checkpointed (actors re-produce them): drop them from "received".
-        c["received"] -= c["in_queue"] + c["reserved"]
-        queue_state = {k: v for k, v in c.items() if k not in ("in_queue", "reserved")}
-    path = save(
-        learner.out, learner.step, learner.dist, model=learner.model, optimizer=learner.optimizer,
-        scheduler=learner.scheduler, model_path=learner.cfg.model.path,
-        trainer_state={
-            "run_id": learner.run_id, "global_step": learner.step, "ver": learner.ver, "totals": learner.totals,
-            "sync_counts": learner.sync.counts,
-            "recent_kinds_b": list(learner.recent_kinds), "realized_total_steps": learner.realized.total_steps,
-            "realized_total_b": learner.realized.total_b,
-        },
-        rank_state={"data_a": learner.a_windows.state_dict(), "queue": queue_state},  # taken windows only
-        trained_ids=learner.b_trained,
-    )
-    if learner.dist.is_main:  # every rank has written and the checkpoint is in place (save's last barrier)
-        retain(learner, final=learner.finished)
-    return path
-
-
-def retain(learner: Any, *, final: bool) -> list[int]:
-    """Rank 0: delete the checkpoints ``training.save_total_limit`` / ``keep_best`` drop (common/runs/retention.py);
-    ``final``: the checkpoint of the learner's step is the run's final one."""
-    return retention.apply_after_save(learner.cfg.training, learner.out, learner.step, final=final,
-                                      resumed_from=learner.resume_from)
 
 
 def save_model_config(hf: torch.nn.Module, model_path: Path, dst: Path) -> None:

@@ -3,7 +3,8 @@
 ::
 
     train JSONL ─► DistributedSampler(rank, world, shuffle, seed, drop_last) ─► record index
-        ─► canonical GT ─► common.detection.targets.channel_a_target ─► common.packing.encode.Encoder ─► Segment (channel A)
+        ─► canonical GT ─► common.detection.targets.channel_a_target ─► common.packing.encode.Encoder
+        ─► Segment (channel A)
         ─► first fit into GA packs of packing_length, in draw order ─► GA Packs, carry (≤ 2 × GA samples)
 
 An A step's packs hold **as many whole samples as fit** (the origin packs Channel-A too), not a

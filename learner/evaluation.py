@@ -130,8 +130,8 @@ class PeriodicEval:
                  100 * r.parse_failure_rate, r.objects_per_image, r.gt_per_image, result.elapsed_s)
         if result.ver_max > ver:  # an abort-mode fence cut the request and the server re-ran it on newer weights
             log.warning("eval at step %d scored ver %d, not the ver %d it asked for: a sync fence (abort) cut it and the "
-                        "server re-ran it on newer weights, so its step is a lower bound; fence: drain or sync_mode: "
-                        "overlap keeps an evaluation on its own ver", step, result.ver_max, ver)
+                        "server re-ran it on newer weights, so its step is a lower bound; weight_sync.fence: drain or "
+                        "weight_sync.mode: overlap keeps an evaluation on its own ver", step, result.ver_max, ver)
 
 
 def _fmt(v: float | None) -> str:

@@ -6,9 +6,9 @@
 
 Loads the config with the world size torchrun announced (errors: exit 2, every problem listed),
 names the process, has rank 0 refuse bad records (``data.on_bad_record``) or a start that would mix with
-another run (``common/runs/output_dir.py``), both exit 2, and write the run record (``learner/run_record.py``), and only then
-imports torch and transformers (``--help`` and config errors answer in well under a second), calls
-``learner.train.run`` once, and tears the process group down in ``finally``. Rank means the global rank
+another run (``common/runs/output_dir.py``), both exit 2, and write the run record (``learner/run_record.py``),
+and only then imports torch and transformers (``--help`` and config errors answer in well under a second),
+calls ``learner.train.run`` once, and tears the process group down in ``finally``. Rank means the global rank
 (``RANK``): on several nodes the run record is node 0's, and every node must share ``training.output_dir``
 (checked once the ranks have joined, ``Dist.check_shared_dir``).
 """

@@ -1,10 +1,12 @@
 """Per-optimizer-step metrics: gathered from every rank, written by rank 0 (docs/design.md section 10).
 
-Each rank fills one :class:`RankStats` per step; :func:`gather_stats_record` all-gathers them as one
-fixed-length float vector (one collective, every rank, every step) and rank 0 turns them into one
-JSONL record (``{training.output_dir}/metrics.jsonl``, one line per optimizer step), the same
+Each rank fills one ``learner.step_record.StepRecord`` per step; :func:`gather_metrics_line` all-gathers its
+:class:`~learner.step_record.RankStats` as one fixed-length float vector (one collective, every rank, every
+step) and rank 0 turns every rank's stats and its own ``StepFacts`` into one JSONL record
+(:func:`metrics_line`; ``{training.output_dir}/metrics.jsonl``, one line per optimizer step), the same
 numbers to the trackers of ``training.report_to`` (``learner/trackers.py``) and a tqdm bar.
-Keys are ``<area>/<name>``; stalls are ``time/wait_*``.
+Keys are ``<area>/<name>``; stalls are ``time/wait_*``. Each key is written out here where it is made from
+the per-rank numbers (rank 0's facts name theirs in learner/step_record.py), so grepping a key finds it.
 
 Aggregation rule: losses are already normalised by step-global counts, so they are *summed* over
 ranks; counters (drops, received, ...) are summed for the ``*_total`` keys and also reported per
@@ -30,64 +32,39 @@ from typing import Any
 
 from common.detection.matching import precision_recall_f1
 from learner.pack_queue import COUNTER_NAMES, REJECTED
+from learner.step_record import ROLLOUT_COUNTS, RankStats, StepFacts, StepRecord
 from learner.throughput import mfu
 
 log = logging.getLogger(__name__)
 
-#: The actor's per-segment rollout counters a trained B pack carries (summed by :meth:`RankStats.add_pack_meta`).
-ROLLOUT_COUNTS = ("n_pred", "n_gt", "n_matched", "parse_truncated", "invalid_rollout")
-
-#: Scalar per-rank fields, in vector order (the trained pack vers follow, padded to GA with -1).
-RANK_FIELDS = (
-    "kind_b", "micro_steps", "forwards", "backwards", "max_forwards_per_micro", "packs", "segments", "tokens",
-    "time_forward_backward", "time_wait_for_packs", "time_wait_for_a_window", "time_step", "time_sync_stall",
-    "time_optimizer_step", "time_prepare_inputs", "time_forward_backward_gpu",
-    "loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou", "loss_coord_ce",
-    "ver_lag_sum", "ver_lag_max", "queue_depth", "fill_sum", "ver_current", "sync_client_calls",
-    "a_dropped_total", "a_window_carry", "mem_peak_rss", "mem_peak_allocated", "mem_peak_reserved",
-    *(f"rollout_{name}" for name in ROLLOUT_COUNTS),
-    *(f"queue_{name}" for name in COUNTER_NAMES),
-)
-
-
-class RankStats(dict):
-    """This rank's numbers for one optimizer step (keys: :data:`RANK_FIELDS`) plus ``trained_vers``."""
-
-    def __init__(self) -> None:
-        super().__init__({k: 0.0 for k in RANK_FIELDS})
-        self.trained_vers: list[int] = []
-
-    def add_pack_meta(self, segment_meta: list[dict[str, Any]]) -> None:
-        """Sum the actor's per-segment rollout counters of a trained B pack."""
-        for m in segment_meta:
-            inner = m.get("meta", {})
-            for key in ROLLOUT_COUNTS:
-                value = inner.get(key, 0)
-                if isinstance(value, (int, float)):
-                    self[f"rollout_{key}"] += value
-
-    def vector(self, ga: int) -> list[float]:
-        vers = (self.trained_vers + [-1] * ga)[:ga]
-        return [float(self[k]) for k in RANK_FIELDS] + [float(v) for v in vers]
-
-
-def unpack(vector: list[float], ga: int) -> RankStats:
-    stats = RankStats()
-    for k, v in zip(RANK_FIELDS, vector):
-        stats[k] = v
-    stats.trained_vers = [int(v) for v in vector[len(RANK_FIELDS):len(RANK_FIELDS) + ga] if v >= 0]
-    return stats
+#: ``queue/rank{r}/<counter>``: each rank's ready-queue counters (learner/pack_queue.py COUNTER_NAMES), by rank.
+QUEUE_RANK_KEYS = {
+    "received": "queue/rank{r}/received", "trained": "queue/rank{r}/trained",
+    "stale_dropped": "queue/rank{r}/stale_dropped", "oldest_dropped": "queue/rank{r}/oldest_dropped",
+    "duplicate_dropped": "queue/rank{r}/duplicate_dropped", "reserved": "queue/rank{r}/reserved",
+    "in_queue": "queue/rank{r}/in_queue", "malformed": "queue/rank{r}/malformed",
+    "rejected_future_ver": "queue/rank{r}/rejected_future_ver", "rejected_too_long": "queue/rank{r}/rejected_too_long",
+    "rejected_token_id": "queue/rank{r}/rejected_token_id", "rejected_nonfinite": "queue/rank{r}/rejected_nonfinite",
+    "rejected_weight": "queue/rank{r}/rejected_weight", "rejected_position": "queue/rank{r}/rejected_position",
+    "rejected_image": "queue/rank{r}/rejected_image", "rejected_meta": "queue/rank{r}/rejected_meta",
+}
 
 
 def rollout_keys(counts: dict[str, int]) -> dict[str, Any]:
-    """The ``rollout/*`` keys of a step that trained B packs: the counts (``counts``: :data:`ROLLOUT_COUNTS`
-    summed over ranks) and P/R/F1 from them.
+    """The ``rollout/*`` keys of a step that trained B packs: the counts (``counts``: the actor's rollout counters,
+    ``learner.step_record.ROLLOUT_COUNTS``, summed over ranks) and P/R/F1 from them.
 
     P/R/F1 are left out when the packs held no GT and no prediction: ``precision_recall_f1`` calls
     that case perfect (1.0), which is right for one image but would read as a perfect step in a plot.
     A steps get none of these keys (absent, not 0 or 1): readers aggregate the counts over B records.
     """
-    out: dict[str, Any] = {f"rollout/{k}": int(counts[k]) for k in ROLLOUT_COUNTS}
+    out: dict[str, Any] = {
+        "rollout/n_pred": int(counts["n_pred"]),
+        "rollout/n_gt": int(counts["n_gt"]),
+        "rollout/n_matched": int(counts["n_matched"]),
+        "rollout/parse_truncated": int(counts["parse_truncated"]),
+        "rollout/invalid_rollout": int(counts["invalid_rollout"]),
+    }
     if counts["n_pred"] + counts["n_gt"] > 0:
         p, r, f1 = precision_recall_f1(int(counts["n_matched"]), int(counts["n_pred"]), int(counts["n_gt"]))
         out.update({"rollout/precision": p, "rollout/recall": r, "rollout/f1": f1})
@@ -100,20 +77,21 @@ def memory_keys(per_rank: list[RankStats]) -> dict[str, Any]:
     ``peak_rss_gb`` (host) always; ``peak_allocated_gb`` / ``peak_reserved_gb`` (CUDA allocator) only on a GPU
     learner (absent on CPU, not 0).
     """
-    out: dict[str, Any] = {}
-    for name in ("rss", "allocated", "reserved"):
-        values = [round(float(r[f"mem_peak_{name}"]), 3) for r in per_rank]
-        if name == "rss" or any(values):
-            out[f"mem/peak_{name}_gb"] = max(values)
-            out[f"mem/peak_{name}_gb_by_rank"] = values
+    rss = [round(float(r.mem_peak_rss), 3) for r in per_rank]
+    out: dict[str, Any] = {"mem/peak_rss_gb": max(rss), "mem/peak_rss_gb_by_rank": rss}
+    allocated = [round(float(r.mem_peak_allocated), 3) for r in per_rank]
+    if any(allocated):
+        out.update({"mem/peak_allocated_gb": max(allocated), "mem/peak_allocated_gb_by_rank": allocated})
+    reserved = [round(float(r.mem_peak_reserved), 3) for r in per_rank]
+    if any(reserved):
+        out.update({"mem/peak_reserved_gb": max(reserved), "mem/peak_reserved_gb_by_rank": reserved})
     return out
 
 
-#: The per-rank times of a step's parts besides forward/backward (:func:`busy_seconds`); ``time/other`` is the rest.
-TIMED_PARTS = ("time_wait_for_packs", "time_wait_for_a_window", "time_sync_stall", "time_optimizer_step",
-               "time_prepare_inputs")
-#: The record keys that add up to ``time/step`` on a one-rank CPU learner: forward/backward, the parts, the rest.
-STEP_TIME_KEYS = ("time/forward_backward", *(f"time/{k.removeprefix('time_')}" for k in TIMED_PARTS), "time/other")
+#: The record keys that add up to ``time/step`` on a one-rank CPU learner: forward/backward, the parts
+#: (:func:`parts_seconds`), the rest.
+STEP_TIME_KEYS = ("time/forward_backward", "time/wait_for_packs", "time/wait_for_a_window", "time/sync_stall",
+                  "time/optimizer_step", "time/prepare_inputs", "time/other")
 
 
 def busy_seconds(stats: RankStats) -> float:
@@ -123,16 +101,22 @@ def busy_seconds(stats: RankStats) -> float:
     is only launched) and the kernels finish at a later host wait, inside another part or none; the CUDA
     events of ``time_forward_backward_gpu`` time the spans where they run. On CPU that field is 0.
     """
-    return max(stats["time_forward_backward"], stats["time_forward_backward_gpu"])
+    return max(stats.time_forward_backward, stats.time_forward_backward_gpu)
+
+
+def parts_seconds(stats: RankStats) -> float:
+    """A rank's times of the step's parts besides forward/backward (:func:`busy_seconds`)."""
+    return (stats.time_wait_for_packs + stats.time_wait_for_a_window + stats.time_sync_stall
+            + stats.time_optimizer_step + stats.time_prepare_inputs)
 
 
 def other_seconds(stats: RankStats) -> float:
-    """A rank's step time that no timed part covers: ``time_step`` − :func:`busy_seconds` − :data:`TIMED_PARTS`.
+    """A rank's step time that no timed part covers: ``time_step`` − :func:`busy_seconds` − :func:`parts_seconds`.
 
     Clamped at 0: on a GPU the parts can overlap (the optimizer step's gradient-norm read waits for the
     last backward's kernels, which the device time also counts), so this is a lower bound there.
     """
-    return max(0.0, stats["time_step"] - busy_seconds(stats) - sum(stats[k] for k in TIMED_PARTS))
+    return max(0.0, stats.time_step - busy_seconds(stats) - parts_seconds(stats))
 
 
 def time_keys(per_rank: list[RankStats]) -> dict[str, Any]:
@@ -144,81 +128,85 @@ def time_keys(per_rank: list[RankStats]) -> dict[str, Any]:
     ÷ ``time/step``, at most 1: on CPU the wall time as before, on a GPU the longer of wall and device time.
     """
     n = len(per_rank)
-    step_s = max(r["time_step"] for r in per_rank) or 1e-9
-    fb = [r["time_forward_backward"] for r in per_rank]
-    fb_gpu = [r["time_forward_backward_gpu"] for r in per_rank]
+    step_s = max(r.time_step for r in per_rank) or 1e-9
+    fb = [r.time_forward_backward for r in per_rank]
+    fb_gpu = [r.time_forward_backward_gpu for r in per_rank]
     out: dict[str, Any] = {"time/step": step_s, "time/forward_backward": max(fb),
                            "time/forward_backward_mean": sum(fb) / n}
     if any(fb_gpu):
         out.update({"time/forward_backward_gpu": max(fb_gpu), "time/forward_backward_gpu_mean": sum(fb_gpu) / n})
-    for key in TIMED_PARTS:
-        out[f"time/{key.removeprefix('time_')}"] = max(r[key] for r in per_rank)
+    out["time/wait_for_packs"] = max(r.time_wait_for_packs for r in per_rank)
+    out["time/wait_for_a_window"] = max(r.time_wait_for_a_window for r in per_rank)
+    out["time/sync_stall"] = max(r.time_sync_stall for r in per_rank)
+    out["time/optimizer_step"] = max(r.time_optimizer_step for r in per_rank)
+    out["time/prepare_inputs"] = max(r.time_prepare_inputs for r in per_rank)
     out["time/other"] = max(other_seconds(r) for r in per_rank)
     out["learner/busy_fraction"] = min(1.0, (sum(busy_seconds(r) for r in per_rank) / n) / step_s)
     return out
 
 
-def step_record(step: int, per_rank: list[RankStats], facts: dict[str, Any], packing_length: int) -> dict[str, Any]:
+def metrics_line(step: int, per_rank: list[RankStats], facts: StepFacts) -> dict[str, Any]:
     """The JSONL record of optimizer step ``step`` from every rank's stats and rank 0's facts.
 
-    ``facts`` holds the rank-0 values: policy/kind/skip flags, ver_current, realized ratio, sync
-    timings and counts, lr, grad norm. ``rollout/*`` keys are present only when the step trained B
-    packs (:func:`rollout_keys`).
+    ``facts`` names its own entries (:meth:`StepFacts.entries`: sync, decision, optimizer, run counters);
+    everything after them is made here from the per-rank numbers. ``rollout/*`` keys are present only when
+    the step trained B packs (:func:`rollout_keys`).
     """
     n = len(per_rank)
+    step_s = max(r.time_step for r in per_rank) or 1e-9
+    packs, tokens = sum(r.packs for r in per_rank), sum(r.tokens for r in per_rank)
+    segments, lags = sum(r.segments for r in per_rank), [v for r in per_rank for v in r.trained_vers]
+    kind_b = any(r.kind_b for r in per_rank)  # every rank trains the decided kind
 
-    def total(key: str) -> float:
-        return sum(r[key] for r in per_rank)
+    def queue_total(name: str) -> float:
+        return sum(r.queue[name] for r in per_rank)
 
-    step_s = max(r["time_step"] for r in per_rank) or 1e-9
-    packs, tokens, lags = total("packs"), total("tokens"), [v for r in per_rank for v in r.trained_vers]
-    kind_b = any(r["kind_b"] for r in per_rank)  # every rank trains the decided kind
     rec: dict[str, Any] = {
         "step": step,
-        **facts,
-        "stage2_ab/async/queue_depth": total("queue_depth") / n,
-        "stage2_ab/async/queue_depth_min": min(r["queue_depth"] for r in per_rank),
-        "stage2_ab/async/ver_lag_mean": (total("ver_lag_sum") / len(lags)) if lags else 0.0,
-        "stage2_ab/async/ver_lag_max": max((r["ver_lag_max"] for r in per_rank), default=0.0) if lags else 0.0,
-        "stage2_ab/async/drop_stale_total": total("queue_stale_dropped"),
-        "stage2_ab/async/drop_oldest_total": total("queue_oldest_dropped"),
-        "stage2_ab/async/drop_duplicate_total": total("queue_duplicate_dropped"),
-        "stage2_ab/async/malformed_total": total("queue_malformed"),
-        "stage2_ab/async/rejected_total": sum(total(f"queue_{name}") for name in REJECTED),
+        **facts.entries(),
+        "stage2_ab/async/queue_depth": sum(r.queue_depth for r in per_rank) / n,
+        "stage2_ab/async/queue_depth_min": min(r.queue_depth for r in per_rank),
+        "stage2_ab/async/ver_lag_mean": (sum(r.ver_lag_sum for r in per_rank) / len(lags)) if lags else 0.0,
+        "stage2_ab/async/ver_lag_max": max((r.ver_lag_max for r in per_rank), default=0.0) if lags else 0.0,
+        "stage2_ab/async/drop_stale_total": queue_total("stale_dropped"),
+        "stage2_ab/async/drop_oldest_total": queue_total("oldest_dropped"),
+        "stage2_ab/async/drop_duplicate_total": queue_total("duplicate_dropped"),
+        "stage2_ab/async/malformed_total": queue_total("malformed"),
+        "stage2_ab/async/rejected_total": sum(queue_total(name) for name in REJECTED),
         "stage2_ab/async/trained_pack_vers": [r.trained_vers for r in per_rank],
-        "stage2_ab/async/kinds_by_rank": ["B" if r["kind_b"] else "A" for r in per_rank],
-        "stage2_ab/async/ver_current_by_rank": [int(r["ver_current"]) for r in per_rank],
-        "sync/client_calls_by_rank": [int(r["sync_client_calls"]) for r in per_rank],
-        "loss/total": total("loss_total"),
-        "loss/ce": total("loss_ce"),
-        "loss/bbox_smoothl1": total("loss_bbox_smoothl1"),
-        "loss/bbox_ciou": total("loss_bbox_ciou"),
-        "loss/coord_ce": total("loss_coord_ce"),
+        "stage2_ab/async/kinds_by_rank": ["B" if r.kind_b else "A" for r in per_rank],
+        "stage2_ab/async/ver_current_by_rank": [int(r.ver_current) for r in per_rank],
+        "sync/client_calls_by_rank": [int(r.sync_client_calls) for r in per_rank],
+        "loss/total": sum(r.loss_total for r in per_rank),
+        "loss/ce": sum(r.loss_ce for r in per_rank),
+        "loss/bbox_smoothl1": sum(r.loss_bbox_smoothl1 for r in per_rank),
+        "loss/bbox_ciou": sum(r.loss_bbox_ciou for r in per_rank),
+        "loss/coord_ce": sum(r.loss_coord_ce for r in per_rank),
         **time_keys(per_rank),
-        "learner/micro_steps": [int(r["micro_steps"]) for r in per_rank],
-        "learner/forwards": [int(r["forwards"]) for r in per_rank],
-        "learner/backwards": [int(r["backwards"]) for r in per_rank],
-        "learner/max_forwards_per_micro_step": int(max(r["max_forwards_per_micro"] for r in per_rank)),
+        "learner/micro_steps": [int(r.micro_steps) for r in per_rank],
+        "learner/forwards": [int(r.forwards) for r in per_rank],
+        "learner/backwards": [int(r.backwards) for r in per_rank],
+        "learner/max_forwards_per_micro_step": int(max(r.max_forwards_per_micro for r in per_rank)),
         "throughput/tokens_per_s": tokens / step_s,
         "throughput/packs_per_s": packs / step_s,
-        "packing/fill": (total("fill_sum") / packs) if packs else 0.0,
-        "packing/segments": int(total("segments")),
+        "packing/fill": (sum(r.fill_sum for r in per_rank) / packs) if packs else 0.0,
+        "packing/segments": int(segments),
         # Samples trained in this step over every rank, by channel (the other one is 0): A packs hold as many as fit.
-        "train/samples_a": 0 if kind_b else int(total("segments")),
-        "train/samples_b": int(total("segments")) if kind_b else 0,
+        "train/samples_a": 0 if kind_b else int(segments),
+        "train/samples_b": int(segments) if kind_b else 0,
         "packing/tokens": int(tokens),
-        "packing/channel_a_dropped_total": int(total("a_dropped_total")),
-        "packing/window_carry": int(total("a_window_carry")),
+        "packing/channel_a_dropped_total": int(sum(r.a_dropped_total for r in per_rank)),
+        "packing/window_carry": int(sum(r.a_window_carry for r in per_rank)),
     }
     rec.update(memory_keys(per_rank))
-    if "throughput/peak_tflops" in facts:  # learner.throughput: every rank's tokens against every rank's peak
-        rec["throughput/mfu"] = mfu(rec["throughput/tokens_per_s"], facts["throughput/lm_params_non_embedding"],
-                                    facts["throughput/peak_tflops"])
+    throughput = facts.run.throughput if facts.run is not None else None
+    if throughput is not None:  # learner.throughput: every rank's tokens against every rank's peak
+        rec["throughput/mfu"] = mfu(rec["throughput/tokens_per_s"], throughput.lm_params, throughput.peak_tflops)
     if kind_b and packs:
-        rec.update(rollout_keys({k: int(total(f"rollout_{k}")) for k in ROLLOUT_COUNTS}))
+        rec.update(rollout_keys({k: int(sum(r.rollout[k] for r in per_rank)) for k in ROLLOUT_COUNTS}))
     for r, stats in enumerate(per_rank):
         for name in COUNTER_NAMES:
-            rec[f"queue/rank{r}/{name}"] = int(stats[f"queue_{name}"])
+            rec[QUEUE_RANK_KEYS[name].format(r=r)] = int(stats.queue[name])
     return rec
 
 
@@ -346,10 +334,9 @@ def _plain(obj: Any) -> Any:
     return str(obj)
 
 
-def gather_stats_record(dist: Any, step: int, stats: RankStats, facts: dict[str, Any], ga: int,
-                        packing_length: int) -> dict[str, Any] | None:
-    """All-gather every rank's stats (one collective, every rank); rank 0 gets the record, others None."""
-    vectors = dist.all_gather(stats.vector(ga), f"metrics all_gather at step {step}")
+def gather_metrics_line(dist: Any, step: int, record: StepRecord, ga: int) -> dict[str, Any] | None:
+    """All-gather every rank's stats (one collective, every rank); rank 0 gets the metrics line, others None."""
+    vectors = dist.all_gather(record.stats.vector(ga), f"metrics all_gather at step {step}")
     if not dist.is_main:
         return None
-    return step_record(step, [unpack(v, ga) for v in vectors], facts, packing_length)
+    return metrics_line(step, [RankStats.from_vector(v, ga) for v in vectors], record.facts)

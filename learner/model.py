@@ -58,12 +58,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bool = False,
-                load_device: torch.device | None = None, compile: str = "none") -> tuple[torch.nn.Module, Any, list[int]]:
+                load_device: torch.device | None = None, compile: str = "none",
+                checkpoint_every: int = 1) -> tuple[torch.nn.Module, Any, list[int]]:
     """(model in train mode, tokenizer, coord ids) from ``model.path``.
 
     ``device`` is where it computes (``model.dtype: auto`` resolves against it); the weights are put on
     ``load_device`` (default ``device``): the CPU under FSDP2, which moves them block by block while
-    sharding (``learner.parallel.load_device``). ``compile``: ``training.compile`` (:func:`compile_blocks`).
+    sharding (``learner.parallel.load_device``). ``compile``: ``training.compile`` (:func:`compile_blocks`);
+    ``checkpoint_every``: ``training.gradient_checkpointing_every`` (:func:`set_checkpointing`).
     """
     from transformers import AutoModelForImageTextToText, AutoTokenizer  # heavy: deferred
 
@@ -83,13 +85,42 @@ def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bo
     from learner.recipe import apply_recipe
 
     apply_recipe(model, model_cfg)  # model.adapter, model.freeze: before any wrapper reads requires_grad
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_checkpointing(model, checkpoint_every if gradient_checkpointing else 0)
     if compile == "blocks":
         compile_blocks(model)
     model.config.use_cache = False
     model.to(load_device or device).train()
     return model, tokenizer, coord_ids
+
+
+def set_checkpointing(model: torch.nn.Module, every: int) -> int:
+    """Gradient checkpointing on every ``every``-th layer (0: off), counting the vision blocks and the decoder
+    layers in module order as transformers' ``GradientCheckpointingLayer`` does. Returns how many layers
+    recompute in backward.
+
+    Why not all of them: each checkpointed layer runs its forward twice, ~1/3 more matmul work, and the
+    rest of the step's GPU time is its elementwise ops, recomputed too; a layer left out keeps its whole
+    activation instead (``launcher.gpu_budget`` estimates both). Where memory allows, ``every: 2`` keeps
+    half the saving for half the recomputation (docs/benchmarks.md section 20 measures it). Done with the
+    per-layer flag that transformers itself sets, so FSDP2's and compile's wrappers see the same modules.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if every < 0:
+        raise ValueError(f"training.gradient_checkpointing_every = {every}: must be ≥ 0 (0 = off, 1 = every layer)")
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x (takes every_n_layers itself)
+        if every:
+            model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
+        else:
+            model.activation_checkpointing_disable()
+    elif every:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):  # the same rule as transformers' every_n_layers, for releases without it
+        layer.gradient_checkpointing = bool(every) and i % every == 0
+    return sum(layer.gradient_checkpointing for layer in layers)
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:

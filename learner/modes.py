@@ -38,7 +38,7 @@ import torch
 from common.packing.packer import Packer
 from common.packing.schedule import wants_b
 from learner.loss import Normaliser
-from learner.metrics import RankStats
+from learner.step_record import RankStats, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +79,10 @@ def _train_packs(learner: Any, packs: list[Any], stats: RankStats, weight_per_se
         t0 = time.monotonic()
         inp = learner.inputs(pack.tensors())
         norm = Normaliser(ce_tokens=inp.rows.n_ce, boxes=inp.rows.n_boxes)
-        stats["time_prepare_inputs"] += time.monotonic() - t0
+        stats.time_prepare_inputs += time.monotonic() - t0
         seen = learner.forward_backward(inp, norm, stats, channel="B", sync_grads=True,
                                         loss_scale=len(pack.segments) * weight_per_segment)
-        lag = learner.ver - pack.ver
-        stats["ver_lag_sum"] += lag
-        stats["ver_lag_max"] = max(stats["ver_lag_max"], lag)
-        stats.trained_vers.append(pack.ver)
+        stats.add_ver_lag(learner.ver, pack.ver)
         stats.add_pack_meta(pack.segment_meta())
         learner.b_trained.update(s.sample_id for s in pack.segments)
         learner.trace(kind="B", ver_current=learner.ver, pack_ver=pack.ver, forwards=seen["forward"],
@@ -108,7 +105,7 @@ def _step_b(learner: Any, stream: _BStream, stats: RankStats) -> None:
     if not cfg.stage2_ab.channel_b.enable_pipeline:
         t0 = time.monotonic()
         segments, _ = stream.segments(samples)
-        stats["time_wait_for_packs"] += time.monotonic() - t0  # the synchronous baseline waits for every rollout
+        stats.time_wait_for_packs += time.monotonic() - t0  # the synchronous baseline waits for every rollout
         packer = _packer(learner)
         for s in segments:
             packer.add(s)
@@ -140,7 +137,7 @@ def _step_b(learner: Any, stream: _BStream, stats: RankStats) -> None:
                 f"{deadline_s:.0f}s (4 × rollout_matching.vllm.infer_timeout_s). Is the rollout server up? "
                 "Start it with: python -m rollout_server --config CONFIG"
             ) from None
-        stats["time_wait_for_packs"] += time.monotonic() - t0  # learning waits only when rollouts lag
+        stats.time_wait_for_packs += time.monotonic() - t0  # learning waits only when rollouts lag
         if got is _DONE:
             break
         if isinstance(got, BaseException):
@@ -153,8 +150,11 @@ def _step_b(learner: Any, stream: _BStream, stats: RankStats) -> None:
     producer.join(timeout=5)
     if seen:
         _scale_grads(learner.model, 1.0 / seen)
-        for key in ("loss_total", "loss_ce", "loss_bbox_smoothl1", "loss_bbox_ciou"):
-            stats[key] /= seen
+        # loss/coord_ce stays: B packs carry none (stage2_ab.coord_ce_weight is Channel-A's)
+        stats.loss_total /= seen
+        stats.loss_ce /= seen
+        stats.loss_bbox_smoothl1 /= seen
+        stats.loss_bbox_ciou /= seen
 
 
 def _micro_b(learner: Any, stream: _BStream, stats: RankStats) -> None:
@@ -162,7 +162,7 @@ def _micro_b(learner: Any, stream: _BStream, stats: RankStats) -> None:
     for _ in range(ga):
         t0 = time.monotonic()
         segments, _ = stream.segments(stream.take(per_micro))
-        stats["time_wait_for_packs"] += time.monotonic() - t0
+        stats.time_wait_for_packs += time.monotonic() - t0
         packer = _packer(learner)
         for s in segments:
             packer.add(s)
@@ -183,14 +183,14 @@ def run_sync_mode(learner: Any, mode: str) -> None:
     """Loop ``step`` or ``micro`` optimizer steps until ``training.max_steps`` (world size 1)."""
     stream = _BStream(learner) if learner.b_ratio > 0 else None
     while not learner.finished:
-        t_step = time.monotonic()
-        stats, facts = RankStats(), {}
-        learner.maybe_sync(facts, stats)
+        record = StepRecord()
+        learner.maybe_sync(record)
         kind_b = wants_b(learner.step, learner.b_ratio)
         if kind_b:
-            (_step_b if mode == "step" else _micro_b)(learner, stream, stats)
+            (_step_b if mode == "step" else _micro_b)(learner, stream, record.stats)
         else:
-            _a_step(learner, stats)
-        facts.update({"stage2_ab/async/policy_wants_b": int(kind_b), "stage2_ab/async/step_kind_b": int(kind_b),
-                      "stage2_ab/async/b_step_skipped_due_to_queue": 0, "learner/mode": mode})
-        learner.finish_step(stats, facts, kind_b, t_step)
+            _a_step(learner, record.stats)
+        facts = record.facts
+        facts.policy_wants_b = facts.step_kind_b = kind_b
+        facts.b_step_skipped_due_to_queue, facts.mode = False, mode
+        learner.finish_step(record)

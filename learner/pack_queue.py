@@ -2,19 +2,20 @@
 
 Data flow and what each wait is unblocked by::
 
-    actors ──ZMQ PUSH──► PackReceiver (PULL, bind) ──recv(poll_s)──► receiver thread
-                                                                      │ frames_to_pack; malformed -> counted, dropped
-                                                                      │ admission (values vs model and config, ver ≤ ver_current + 1)
-                                                                      │   -> rejected_<reason> counted, dropped, logged with the sender
-                                                                      │ duplicate B sample (already trained) -> counted, dropped
-                                                                      │ stale (ver < ver_current - version_window) -> counted, dropped
-                                                                      │ full: drop the OLDEST (counted), then append
-                                                                      ▼
-                                       deque[ReadyPack]  (capacity queue_limit, FIFO)
-                                                                      │ eligible(): prune stale, count    (decision, any thread)
-                                                                      │ reserve(n): prune stale, pop n oldest -> reserved
-                                                                      ▼
-                                       learner main thread trains them; mark_trained(pack)
+    actors ──ZMQ PUSH──► PackReceiver (PULL, bind) ──recv(poll_s)──►
+        receiver thread
+          │ frames_to_pack; malformed -> counted, dropped
+          │ admission (values vs model and config, ver ≤ ver_current + 1)
+          │   -> rejected_<reason> counted, dropped, logged with the sender
+          │ duplicate B sample (already trained) -> counted, dropped
+          │ stale (ver < ver_current - version_window) -> counted, dropped
+          │ full: drop the OLDEST (counted), then append
+          ▼
+        deque[ReadyPack]  (capacity queue_limit, FIFO)
+          │ eligible(): prune stale, count    (decision, any thread)
+          │ reserve(n): prune stale, pop n oldest -> reserved
+          ▼
+        learner main thread trains them; mark_trained(pack)
     receiver thread ──every credit_interval_s (and on a ver change)──► CreditPublisher (PUB, bind) ──► actors
 
 Capacity rule: at most ``queue_limit`` packs wait; a push into a full queue drops the oldest one.
@@ -149,7 +150,8 @@ class ReadyQueue:
                 return
         if self._publish is not None and sys.exc_info()[0] is None:
             # Training finished (no exception is on its way out of the learner): the last credits say done, so
-            # this rank's actors exit now instead of waiting out their silence deadline (common.wire.codec Credits.done).
+            # this rank's actors exit now instead of waiting out their silence deadline
+            # (common.wire.codec Credits.done).
             # The receiver thread is gone, so this thread may use the PUB socket; three sends 50 ms apart get
             # one out before the socket closes with linger 0.
             with self._lock:

@@ -129,8 +129,8 @@ def wrap(model: torch.nn.Module, learner_cfg: Any, device: torch.device, world_s
     # find_unused_parameters off (it costs a graph traversal per step and warned on every run): every
     # parameter gets a gradient each step, a pack without images through forward_rows' zero vision
     # term. Frozen parameters (model.freeze, an adapter's base weights: requires_grad False) are not DDP's to
-    # reduce: it buckets only those that train. Buffers (rope) are constant: no per-forward broadcast. torch >= 2.13 names that switch
-    # forward_sync_buffers; 2.11 (the GPU image) only has broadcast_buffers.
+    # reduce: it buckets only those that train. Buffers (rope) are constant: no per-forward broadcast. torch >= 2.13
+    # names that switch forward_sync_buffers; 2.11 (the GPU image) only has broadcast_buffers.
     no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                else "broadcast_buffers")
     return DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,

@@ -34,8 +34,8 @@ time. ``Pack.tensors()`` holds no ver, so the arrays built on the thread stay va
 Torch threads: the build is numpy, PIL, tokenizers and a few tiny torch ops (the rope index), so
 this thread runs torch single-threaded and the training thread keeps its count
 (learner/torch_threads.py). Much of the build is Python and holds the GIL: the overlap is real
-where the training thread blocks with the GIL released (a GPU step); on a CPU-bound box the build's time moves into the step's
-forward/backward instead of preceding it (docs/learner.md, Benchmark).
+where the training thread blocks with the GIL released (a GPU step); on a CPU-bound box the build's time moves
+into the step's forward/backward instead of preceding it (docs/learner.md, Benchmark).
 
 What this module does not know: models, queues, ranks beyond its own, or how a window is trained.
 """

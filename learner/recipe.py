@@ -200,14 +200,14 @@ def frozen_names(model: torch.nn.Module) -> list[str]:
 
 
 def adapter_push(model: torch.nn.Module) -> Any:
-    """The adapter a ``model.adapter.sync: adapter`` push sends (:class:`learner.sync.base.AdapterPush`): its shape
+    """The adapter a ``model.adapter.sync: adapter`` push sends (:class:`learner.weight_sync.base.AdapterPush`): its shape
     and, per adapted layer, ``<layer>.lora_A.weight``, ``<layer>.lora_B.weight`` and (DoRA)
     ``<layer>.lora_magnitude_vector.weight``, the tensors as trained (the server merges in their dtype)."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from common.wire.sync import AdapterSpec
-    from common.tensors.weights import dtype_name
-    from learner.sync.base import AdapterPush
+    from common.weight_sync.messages import AdapterSpec
+    from common.weight_sync.weights import dtype_name
+    from learner.weight_sync.base import AdapterPush
 
     config = model._tandem_lora_config
     layers = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}

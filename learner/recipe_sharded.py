@@ -4,7 +4,7 @@ weights a ``model.adapter.sync: merged`` push serves, computed on rank 0 from te
 Under FSDP2 an adapted layer's base weight W, ``lora_A``, ``lora_B`` (and DoRA's magnitude m) are DTensors,
 each sharded on dim 0 over the ranks. W + ΔW needs them whole (ΔW = B·A mixes every row of B with every column
 of A; DoRA divides by each row's norm of W + ΔW). So the push walks the served weights as it does for a full
-fine-tune (learner/sync/sharded.py), and an adapted layer's weight is a ``Derived`` entry there::
+fine-tune (learner/weight_sync/sharded.py), and an adapted layer's weight is a ``Derived`` entry there::
 
     every rank: all-gather W, A, B (, m) of the layer, each in its own dtype      one collective per part
     rank 0:     the learner's ``merged_weight`` (learner/recipe.py: peft's get_delta_weight and DoRA's
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from learner.recipe import merged_weight, merged_weights
-from learner.sync.sharded import Derived
+from learner.weight_sync.sharded import Derived
 
 #: Scratch peft layers by (out, in, r, dora): built on ``meta`` once, their tensors swapped in for each merge.
 _SCRATCH: dict[tuple[int, int, int, bool], Any] = {}

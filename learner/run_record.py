@@ -6,8 +6,8 @@
     {training.output_dir}/run_info.json     seeds and the rules that spread them, rollout and evaluation
                                             decoding, world size, derived values, model and data provenance
                                             (``tandem_build.json``, ``manifest.json``), the image size in use
-                                            (``image_pixels``: data.min/max_pixels over the model's), package versions, git
-                                            commit, start time (UTC)
+                                            (``image_pixels``: data.min/max_pixels over the model's), package
+                                            versions, git commit, start time (UTC)
 
 A fresh start makes the run id (``run_id``, uuid4 hex; ``common/runs/checkpoints.py``); resumes keep it and
 never rewrite the first start's files: ``run_config.yaml`` is written once, and every resume appends

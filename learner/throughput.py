@@ -81,8 +81,13 @@ class Throughput:
         peak, source = (configured_peak, "config") if configured_peak else (matmul_tflops(device, dtype), "measured")
         return cls(non_embedding_lm_params(model), float(peak), world_size, source)
 
-    def facts(self) -> dict[str, float | int | str]:
-        """The step record's inputs for ``throughput/mfu`` (learner.metrics.step_record)."""
+    @property
+    def peak_tflops(self) -> float:
+        """Every rank's peak together (what ``throughput/mfu`` divides by)."""
+        return self.peak_tflops_per_rank * self.world_size
+
+    def entries(self) -> dict[str, float | int | str]:
+        """The step record's ``throughput/*`` inputs of ``throughput/mfu`` (learner/metrics.py metrics_line)."""
         return {"throughput/lm_params_non_embedding": self.lm_params,
-                "throughput/peak_tflops": self.peak_tflops_per_rank * self.world_size,
+                "throughput/peak_tflops": self.peak_tflops,
                 "throughput/peak_source": self.peak_source}

@@ -3,7 +3,7 @@
 One optimizer step, every rank in lockstep; what each wait is unblocked by::
 
     ┌─ boundary before step s ──────────────────────────────────────────────────────────────────┐
-    │ sync (learner/sync/boundary.py; the first boundary of the process is always a blocking sync):     │
+    │ sync (learner/weight_sync/boundary.py; the first boundary of the process is always a blocking sync):     │
     │   blocking, when due: barrier ─► rank 0 pushes ─► barrier ─► broadcast [ver, ok]             │
     │     (unblocked by rank 0's push returning: success, error or sync.timeout_s)                 │
     │   overlap, every step: rank 0 collects a finished push, snapshots + starts one when due      │
@@ -40,7 +40,8 @@ On B steps the Channel-A sampler does not advance (advancing it would silently d
 the prefetched window waits, and checkpoints store the sampler state of the windows taken.
 
 The step's pieces (model, optimizer, sync, metrics, checkpoints) are :class:`learner.rank.Learner`'s;
-this module puts them in the order above.
+this module puts them in the order above and carries the step's ``StepRecord`` (learner/step_record.py)
+through them.
 
 What this module does not know: sockets beyond constructing them, or how actors produce packs.
 """
@@ -53,20 +54,20 @@ from typing import Any
 from common.config.load import ConfigError
 from learner.decision import decide_step
 from learner.distributed import Dist
-from learner.metrics import RankStats
 from learner.rank import Learner
+from learner.step_record import StepRecord
 
 
 def async_step(learner: Learner) -> None:
     """One optimizer step of the async mode, every rank in lockstep (the diagram of the module docstring)."""
-    t_step = time.monotonic()
-    stats, facts = RankStats(), {}
-    learner.maybe_sync(facts, stats)
+    record = StepRecord()
+    stats, facts = record.stats, record.facts
+    learner.maybe_sync(record)
     t0 = time.monotonic()
     decision = decide_step(learner.step, learner.b_ratio, learner.ga, learner.queue, learner.dist,
                            wait_s=learner.cfg.learner.pack_wait_s)
-    stats["time_wait_for_packs"] = time.monotonic() - t0
-    stats["queue_depth"] = decision.local_eligible
+    stats.time_wait_for_packs = time.monotonic() - t0
+    stats.queue_depth = decision.local_eligible
     kind_b = decision.kind == "B"
     if kind_b:
         items = decision.packs
@@ -84,21 +85,14 @@ def async_step(learner: Learner) -> None:
         pack_ver = item.ver if item is not None else learner.ver
         if item is not None:
             learner.queue.mark_trained(item)  # type: ignore[union-attr]
-            lag = learner.ver - item.ver
-            stats["ver_lag_sum"] += lag
-            stats["ver_lag_max"] = max(stats["ver_lag_max"], lag)
-            stats.trained_vers.append(item.ver)
+            stats.add_ver_lag(learner.ver, item.ver)
             stats.add_pack_meta(meta)
         learner.trace(micro=i, kind=decision.kind, ver_current=learner.ver, pack_ver=pack_ver, forwards=seen["forward"],
                       backwards=seen["backward"], sample_ids=[m["sample_id"] for m in meta], tokens=inp.n_tokens)
-    facts.update({
-        "stage2_ab/async/policy_wants_b": int(decision.policy_wants_b),
-        "stage2_ab/async/step_kind_b": int(kind_b),
-        "stage2_ab/async/b_step_skipped_due_to_queue": int(decision.skipped_due_to_queue),
-        "stage2_ab/async/min_eligible": decision.min_eligible,
-    })
-    learner.totals["b_skipped_due_to_queue"] += int(decision.skipped_due_to_queue)
-    learner.finish_step(stats, facts, kind_b, t_step)
+    facts.policy_wants_b, facts.step_kind_b = decision.policy_wants_b, kind_b
+    facts.b_step_skipped_due_to_queue, facts.min_eligible = decision.skipped_due_to_queue, decision.min_eligible
+    learner.counters.totals.b_skipped_due_to_queue += int(decision.skipped_due_to_queue)
+    learner.finish_step(record)
 
 
 def run(cfg: Any, dist: Dist) -> int:

@@ -1,6 +1,7 @@
 """Stage-1 warm start: turn a model directory into one that emits ``<|coord_k|>`` boxes.
 
-    python -m learner.warm_start --config configs/warm_start_cpu.yaml --out artifacts/tiny-detector [--force] [key=value ...]
+    python -m learner.warm_start --config configs/warm_start_cpu.yaml --out artifacts/tiny-detector [--force] \
+        [key=value ...]
 
 Why it exists: Stage-2 (rollout matching) never puts cross-entropy on coord tokens; it assumes a
 Stage-1 checkpoint that already answers in the box format (as the origin does). A freshly built or
@@ -135,7 +136,8 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
     t, ab = cfg.training, cfg.stage2_ab
     torch.manual_seed(t.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, _tokenizer, coord_ids = load_policy(cfg.model, device, t.gradient_checkpointing, compile=t.compile)
+    model, _tokenizer, coord_ids = load_policy(cfg.model, device, t.gradient_checkpointing, compile=t.compile,
+                                               checkpoint_every=t.gradient_checkpointing_every)
     coord_ids_t = torch.tensor(coord_ids, device=device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     optimizer, scheduler = build_optimizer(model, t)

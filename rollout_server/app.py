@@ -51,7 +51,7 @@ from rollout_server.guard import Limits, RequestGuard
 from rollout_server.metrics import RequestCounter, ServerMetrics
 from rollout_server.routes import health, infer, openai, sync as sync_routes
 from rollout_server.state import ServerState
-from rollout_server.sync import SyncController
+from rollout_server.weight_sync.session import SyncController
 
 
 def build_app(engine: Engine, cfg: Any, *, on_fatal: Callable[[str], None] | None = None,

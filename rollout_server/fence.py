@@ -1,7 +1,7 @@
 """The sync fence (docs/design.md section 4): the rollout server's admission gate and its version counter.
 
 Readers are /infer batches (:meth:`Fence.run`); the writer is a weight sync
-(:class:`rollout_server.sync.SyncController`). Each admitted batch holds a :class:`Ticket` carrying
+(:class:`rollout_server.weight_sync.session.SyncController`). Each admitted batch holds a :class:`Ticket` carrying
 the ``ver`` it was admitted under; the fence never lets a commit happen while a ticket is out, so
 that ``ver`` is exact for the whole batch::
 

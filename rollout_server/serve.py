@@ -86,9 +86,9 @@ def run(cfg: Any, sock: socket.socket) -> int:
     app = build_app(engine, cfg, on_fatal=on_fatal)
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    from rollout_server.sync_stream import sniffing_protocol
+    from rollout_server.weight_sync.stream import sniffing_protocol
 
-    # Connections that open with the bucket-stream magic carry sync buckets (rollout_server/sync_stream.py).
+    # Connections that open with the bucket-stream magic carry sync buckets (rollout_server/weight_sync/stream.py).
     http = sniffing_protocol(AutoHTTPProtocol, app.state.server.sync, srv.max_bucket_mb << 20)
     server = uvicorn.Server(uvicorn.Config(app, log_level=srv.log_level.lower(), access_log=False, lifespan="on",
                                            timeout_graceful_shutdown=srv.shutdown_grace_s, http=http))

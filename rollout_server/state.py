@@ -24,7 +24,7 @@ from rollout_server.errors import ApiError
 from rollout_server.fence import Fence
 from rollout_server.guard import Limits
 from rollout_server.metrics import ServerMetrics
-from rollout_server.sync import SyncController
+from rollout_server.weight_sync.session import SyncController
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ Pure functions (no process group needed, unit-tested directly):
   - :func:`resolve_placement` forces ``device_map: auto`` to the local rank's device under
     WORLD_SIZE > 1, so every rank holds the whole model (no accidental model parallelism).
 
-:class:`Comm` wraps the process group. Every collective runs on gloo (objects are small: guidance,
+:class:`Dist` wraps the process group. Every collective runs on gloo (objects are small: guidance,
 shard results) with the group's ``timeout``, so a dead or stuck peer turns into an error on the
 waiting ranks instead of a hang. Failures are propagated two ways:
 
-  - a rank-local step (setup, rollout) runs under :meth:`Comm.guarded`: the exception is caught
+  - a rank-local step (setup, rollout) runs under :meth:`Dist.guarded`: the exception is caught
     and every rank learns of it through an ``all_gather_object`` of an ok/error status, then every
     rank raises :class:`RankFailure` naming the failed rank(s) and their error;
   - rank 0's own work (selection, reflection, writing) is followed by a broadcast command; a failure
@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from common.distributed.ranks import RankGroup
 
@@ -102,7 +102,7 @@ def resolve_placement(device_map: str, world: int, local_rank: int, num_gpus: in
 # ----------------------------------------------------------------------------------- the group
 
 
-#: Seconds every rank waits at the end for the others before leaving the group (Comm.close).
+#: Seconds every rank waits at the end for the others before leaving the group (Dist.close).
 CLOSE_BARRIER_S = 10.0
 
 
@@ -127,8 +127,13 @@ class Command:
     payload: Any = None  # the guidance snapshot for "rollout"; the reason for "abort"
 
 
-class Comm(RankGroup):
-    """The run's process group (or its single-process stand-in): object collectives on gloo."""
+class Dist(RankGroup):
+    """The run's process group (or its single-process stand-in): object collectives on gloo.
+
+    The same job, and name, as the learner's ``learner.distributed.Dist`` (both a
+    ``common.distributed.ranks.RankGroup``: rank facts, joining, deadlines, failure messages); Stage-B's
+    collectives carry Python objects (guidance, shard results), the learner's short tensors on gloo or NCCL.
+    """
 
     _dist: Any = None  # torch.distributed once joined; None = a world of one (collectives are the identity)
 
@@ -137,14 +142,14 @@ class Comm(RankGroup):
         self.world = self.world_size
 
     @classmethod
-    def from_env(cls, timeout_s: float) -> "Comm":
+    def from_env(cls, timeout_s: float) -> "Dist":
         """Join the torchrun group (env://, gloo, ``timeout_s`` on every collective), or run alone."""
-        comm = cls(timeout_s)
-        comm.join("gloo")
-        if comm.initialized:
-            comm._dist = dist
-            log.info("stage-b rank %d/%d joined (gloo, collective timeout %.0fs)", comm.rank, comm.world, timeout_s)
-        return comm
+        group = cls(timeout_s)
+        group.join("gloo")
+        if group.initialized:
+            group._dist = torch_dist
+            log.info("stage-b rank %d/%d joined (gloo, collective timeout %.0fs)", group.rank, group.world, timeout_s)
+        return group
 
     def close(self) -> None:
         """Leave the group. First a monitored barrier (gloo, at most :data:`CLOSE_BARRIER_S`): a rank that

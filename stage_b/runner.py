@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from stage_b.artifacts import ArtifactWriter
 from stage_b.config import StageBConfig
-from stage_b.distributed import (Comm, Command, RankFailure, epoch_order, global_batches, resolve_placement,
+from stage_b.distributed import (Dist, Command, RankFailure, epoch_order, global_batches, resolve_placement,
                                  shard_bounds)
 from stage_b.guidance import GuidanceRepo, GuidanceSnapshot, load_seed
 from stage_b.reflection import ReflectionEngine
@@ -111,17 +111,17 @@ def load_run_tickets(cfg: StageBConfig) -> tuple[list[Ticket], str]:
 
 def run_all(cfg: StageBConfig) -> RunSummary:
     """Run Stage-B on this rank (torchrun rank or a single process); raises on any rank's failure."""
-    comm = Comm.from_env(cfg.runner.collective_timeout_s)
+    dist = Dist.from_env(cfg.runner.collective_timeout_s)
     try:
-        return _Run(cfg, comm).run()
+        return _Run(cfg, dist).run()
     finally:
-        comm.close()
+        dist.close()
 
 
 class _Run:
-    def __init__(self, cfg: StageBConfig, comm: Comm) -> None:
-        self.cfg, self.comm = cfg, comm
-        self.summary = RunSummary(comm.rank, comm.world)
+    def __init__(self, cfg: StageBConfig, dist: Dist) -> None:
+        self.cfg, self.dist = cfg, dist
+        self.summary = RunSummary(dist.rank, dist.world)
         self.writer: ArtifactWriter | None = None  # rank 0 only
         self.repo: GuidanceRepo | None = None  # rank 0 only
         self.reflection: ReflectionEngine | None = None  # rank 0 only
@@ -135,20 +135,20 @@ class _Run:
     def _setup(self) -> None:
         import torch
 
-        cfg, comm = self.cfg, self.comm
+        cfg, dist = self.cfg, self.dist
         self.tickets, self.mission = load_run_tickets(cfg)
         self.summary.mission = self.mission
-        placement = resolve_placement(cfg.model.device_map, comm.world, comm.local_rank,
+        placement = resolve_placement(cfg.model.device_map, dist.world, dist.local_rank,
                                       torch.cuda.device_count() if torch.cuda.is_available() else 0)
         if placement.device.startswith("cuda"):
             torch.cuda.set_device(int(placement.device.split(":")[1]))
         self.generator = build_generator(cfg.sampler, cfg.model, placement)
-        self.sampler = RolloutSampler(self.generator, cfg.sampler, self.mission, comm.rank)
-        if comm.is_main:
+        self.sampler = RolloutSampler(self.generator, cfg.sampler, self.mission, dist.rank)
+        if dist.is_main:
             run_dir = Path(cfg.output.root) / cfg.run_name / mission_slug(self.mission)
             self.writer = ArtifactWriter(run_dir, cfg.output.overwrite)
             self.summary.run_dir = str(run_dir)
-            self.writer.write_json("run_config.json", {"config": asdict(cfg), "world_size": comm.world,
+            self.writer.write_json("run_config.json", {"config": asdict(cfg), "world_size": dist.world,
                                                        "mission": self.mission, "num_tickets": len(self.tickets),
                                                        "tickets_fingerprint": fingerprint(self.tickets)})
             self.repo = GuidanceRepo(self.mission, run_dir, load_seed(cfg.guidance.path),
@@ -163,15 +163,15 @@ class _Run:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunSummary:
-        cfg, comm = self.cfg, self.comm
+        cfg, dist = self.cfg, self.dist
         status, error = "ok", None
         try:
             t0 = time.monotonic()
-            comm.guarded("setup", self._setup)
+            dist.guarded("setup", self._setup)
             self.timing.setup_s = time.monotonic() - t0
-            comm.agree(fingerprint(self.tickets), "ticket set")
+            dist.agree(fingerprint(self.tickets), "ticket set")
             t_loop = time.monotonic()
-            P, W = cfg.runner.per_rank_rollout_batch_size, comm.world
+            P, W = cfg.runner.per_rank_rollout_batch_size, dist.world
             for epoch in range(cfg.runner.epochs):
                 order = epoch_order(len(self.tickets), cfg.runner.seed, epoch, cfg.runner.shuffle)
                 batches = global_batches(len(order), P * W)
@@ -181,7 +181,7 @@ class _Run:
                 self._main_only("epoch end", lambda: self._epoch_end(epoch))
             self.timing.loop_s = time.monotonic() - t_loop
             self._main_only("run end", self._run_end)
-            cmd = comm.broadcast(Command("done") if comm.is_main else None, "run end")
+            cmd = dist.broadcast(Command("done") if dist.is_main else None, "run end")
             if cmd.kind == "abort":
                 raise RankFailure(cmd.payload)
         except BaseException as exc:
@@ -197,13 +197,13 @@ class _Run:
         return self.summary
 
     def _global_batch(self, epoch: int, b: int, num_batches: int, batch: list[Ticket]) -> None:
-        comm = self.comm
-        cmd = comm.broadcast(Command("rollout", self.repo.snapshot()) if comm.is_main else None,
+        dist = self.dist
+        cmd = dist.broadcast(Command("rollout", self.repo.snapshot()) if dist.is_main else None,
                              f"guidance snapshot for epoch {epoch} batch {b}")
         if cmd.kind == "abort":
             raise RankFailure(cmd.payload)
         snapshot: GuidanceSnapshot = cmd.payload
-        lo, hi = shard_bounds(len(batch), comm.world, comm.rank)
+        lo, hi = shard_bounds(len(batch), dist.world, dist.rank)
         shard = batch[lo:hi]
         clock: dict[str, float] = {"start": time.monotonic()}
 
@@ -212,30 +212,30 @@ class _Run:
             clock["done"] = time.monotonic()
             return out
 
-        cands = comm.guarded(f"rollout (epoch {epoch} batch {b})", rollout)
+        cands = dist.guarded(f"rollout (epoch {epoch} batch {b})", rollout)
         rollout_s = clock["done"] - clock["start"]
         self.summary.batches.append({"epoch": epoch, "batch": b, "guidance_step": snapshot.step,
                                      "bounds": [lo, hi], "keys": [t.key for t in shard]})
-        gathered = comm.gather(ShardResult(comm.rank, (lo, hi), snapshot.step, cands, rollout_s),
+        gathered = dist.gather(ShardResult(dist.rank, (lo, hi), snapshot.step, cands, rollout_s),
                                f"rollout results of epoch {epoch} batch {b}")
         wait_s = time.monotonic() - clock["done"]  # this rank idle while the slowest rank finished
         t = self.timing
         t.global_batches += 1
         t.tickets += len(batch)
         t.wait_for_ranks_s += wait_s
-        t.rollout_s += max(r.rollout_s for r in gathered) if comm.is_main else rollout_s
+        t.rollout_s += max(r.rollout_s for r in gathered) if dist.is_main else rollout_s
         self._main_only(f"selection of epoch {epoch} batch {b}",
                         lambda: self._select_batch(epoch, b, num_batches, batch, snapshot, gathered, wait_s))
 
     def _main_only(self, what: str, fn: Callable[[], None]) -> None:
         """Rank 0's own work; on failure tell the waiting ranks (abort) before raising."""
-        if not self.comm.is_main:
+        if not self.dist.is_main:
             return
         try:
             fn()
         except Exception as exc:
             log.exception("rank 0 failed during %s", what)
-            self.comm.broadcast(Command("abort", f"rank 0 failed during {what}: {type(exc).__name__}: {exc}"),
+            self.dist.broadcast(Command("abort", f"rank 0 failed during {what}: {type(exc).__name__}: {exc}"),
                                 "abort notice")
             raise
 
@@ -332,7 +332,7 @@ class _Run:
 
     def _summary_json(self) -> dict[str, Any]:
         c = self.reflection.counters if self.reflection else None
-        return {"world_size": self.comm.world, "mission": self.mission,
+        return {"world_size": self.dist.world, "mission": self.mission,
                 "global_batches": len(self.summary.batches),
                 "guidance_step": self.repo.step if self.repo else None,
                 "reflection": asdict(c) if c else None, "timing": self.timing.to_json(),

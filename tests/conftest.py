@@ -10,6 +10,13 @@ Test order (``make test``: two workers, ``--dist loadfile --no-loadscope-reorder
 most tests first, as pytest-xdist's own reordering does, except that one file needing the detector
 starts the run, so its build overlaps the other worker's tests instead of idling a worker at the end
 (:func:`pytest_collection_modifyitems`).
+
+Test groups: every test is marked ``unit`` or ``integration`` by its file (:func:`pytest_itemcollected`).
+Integration tests start processes, servers, sockets or torchrun ranks (``INTEGRATION_FILES``); every other
+file is unit: in-process, no port. ``tests/test_markers.py`` checks the table against what each file's
+source starts, so a new file that starts a process must be listed here. ``python3 -m pytest -m unit`` runs
+the fast group alone; ``make test`` runs both, and CI (``.ci/run``) reports their counts apart. ``gpu`` is
+a marker of its own, set by the tests that need CUDA.
 """
 
 from __future__ import annotations
@@ -109,6 +116,44 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+#: The test files whose tests start processes (a server, the launcher, torchrun or spawned ranks, a CLI or bench
+#: script), or open sockets (ZMQ, HTTP to a real port): marked ``integration``. Every other file is ``unit``.
+INTEGRATION_FILES = frozenset({
+    "test_actor_bad_records.py", "test_actor_loop.py", "test_actor_process.py", "test_bad_records.py",
+    "test_bench_e2e_op.py", "test_bench_http_sync.py", "test_bench_learner.py", "test_bench_learner_op.py",
+    "test_bench_packing.py", "test_bench_quality.py", "test_bench_scripts.py", "test_bench_stage_b.py",
+    "test_bench_vs_vllm_serve.py", "test_ci_groups.py", "test_cli.py", "test_collective_sync_cpu.py",
+    "test_console_progress.py",
+    "test_coord_mode.py", "test_data_convert.py", "test_data_train.py", "test_demo_dora.py", "test_deploy.py",
+    "test_detection_eval.py", "test_evaluator_cli.py", "test_fence.py", "test_full_topology.py", "test_gpu_vllm.py",
+    "test_gpu_weight_sync.py", "test_image_size.py", "test_launch_anywhere.py", "test_lean_pixels.py",
+    "test_learner_async.py", "test_learner_distributed.py", "test_learner_eval.py", "test_learner_fsdp.py",
+    "test_learner_fsdp_checkpoint.py", "test_learner_harness.py", "test_learner_modes.py", "test_learner_overlap.py",
+    "test_learner_resume.py", "test_load_plan.py", "test_loss.py", "test_loss_head.py", "test_multinode.py",
+    "test_openai_compat.py", "test_openapi_fuzz.py", "test_output_dir.py", "test_pack_admission.py",
+    "test_plot_results.py", "test_prompts.py", "test_protocol.py", "test_qwen3_vl.py", "test_recipe.py",
+    "test_recipe_fsdp.py", "test_recipe_fsdp_adapter.py", "test_recipe_resume.py", "test_rollout_client.py",
+    "test_rollout_server.py", "test_run_bookkeeping.py", "test_server_bad_input.py", "test_server_rejoin.py",
+    "test_server_untrusted_input.py", "test_stage_b_dist.py", "test_supervisor.py", "test_sync_adapter.py",
+    "test_sync_fsdp.py", "test_sync_ipc.py", "test_sync_stream.py", "test_synthetic_crowded.py",
+    "test_tiny_detector.py", "test_transport.py", "test_ver_continuity.py", "test_warm_start.py",
+    "test_weights_digest.py",
+})
+
+
+def group_of(path: Path) -> str:
+    """``integration`` or ``unit``: the group of every test in the file at ``path``."""
+    return "integration" if path.name in INTEGRATION_FILES else "unit"
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark the test with its file's group, and carry the group into ``--junitxml`` (a ``group`` property per
+    test case: .ci/test_groups.py counts from it)."""
+    group = group_of(item.path)
+    item.add_marker(group)
+    item.user_properties.append(("group", group))
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection: order what runs

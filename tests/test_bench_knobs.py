@@ -32,7 +32,8 @@ def test_every_sweep_point_is_a_valid_config_on_ports_no_other_point_uses(tmp_pa
         assert cfg.rollout_matching.vllm.servers[0].base_url.endswith(f":{cfg.rollout_server.port}")
         assert cfg.training.output_dir == str(tmp_path / name)
         for key, value in facts.items():
-            got = (cfg.stage2_ab.schedule.b_ratio if key == "b_ratio" else getattr(cfg.stage2_ab.channel_b.async_, key))
+            got = {"b_ratio": cfg.stage2_ab.schedule.b_ratio, "sync_every_steps": cfg.weight_sync.every_steps,
+                   "version_window": cfg.stage2_ab.channel_b.async_.version_window}[key]
             assert got == value
 
 

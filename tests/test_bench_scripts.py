@@ -1,11 +1,12 @@
 """CPU checks of the GPU bench scripts' pure parts: bench/weight_sync_lib.py, bench_weight_sync.py's server-log
-reading and CLI, bench/gpu_session.sh.
+reading and CLI, the scenario runner (bench/run_scenario.py) and the run evidence (bench/run_evidence.py).
 
 The GPU runs themselves happen on lent machines (docs/gpu.md); here: the push order (warm-ups, then the
 load paths alternated), per-path medians and the table, the digest check's verdicts against a fake
 server (including a fast path that leaves a tensor stale, which only the fast-then-native pair catches),
-the exit code, the server overrides as the config loader reads them, and the session script's syntax
-and its run-evidence part on fake metrics.
+the exit code, the server overrides as the config loader reads them; every scenario file, the runner's
+refusal on a machine without what a scenario needs, its step deadlines and budget, and the run evidence
+on fake metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -252,12 +254,78 @@ def test_exit_code_is_non_zero_on_a_digest_mismatch_or_a_refused_fast_path(monke
     assert b.main(["--presets", "0.5b", "--out", str(out)]) == 1
 
 
-# ------------------------------------------------------------------------------------ gpu_session.sh
+# ------------------------------------------------------------------------------------ scenarios
+
+import run_scenario as rs  # noqa: E402
+
+REFERENCE = re.compile(r"(?:bench|configs|tests|tools)/[\w./-]+\.(?:py|yaml|sh)")
 
 
-def test_gpu_session_script_parses():
-    r = subprocess.run(["bash", "-n", str(REPO / "bench/gpu_session.sh")], capture_output=True, text=True)
+@pytest.mark.parametrize("name", rs.names())
+def test_every_scenario_loads_and_names_only_files_that_exist(name):
+    sc = rs.load(name)
+    assert sc.what and sc.steps and sc.minutes > 0, name
+    text = (rs.SCENARIOS / f"{name}.yaml").read_text()
+    missing = [ref for ref in REFERENCE.findall(text) if not (REPO / ref).exists()]
+    assert not missing, f"{name}.yaml names files that do not exist: {missing}"
+    env = rs.environment(sc, {}, Path("/tmp/out"), [])
+    for step, command, _, _ in rs.plan(sc, env):
+        r = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, f"{name}.yaml, step {step}: {r.stderr}"
+
+
+def test_the_list_names_every_scenario_with_its_machine():
+    r = subprocess.run([sys.executable, str(REPO / "bench/run_scenario.py"), "--list"], capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0, r.stderr
+    for name in rs.names():
+        sc = rs.load(name)
+        assert f"| {name} | {sc.gpus} | {'yes' if sc.vllm else 'no'} |" in r.stdout
+
+
+def test_a_scenario_is_refused_with_what_the_machine_lacks():
+    sc = rs.load("train-split-2p2")
+    why = rs.refusal(sc, (1, "nvidia-smi -L lists 1"), has_vllm=False)
+    assert "needs 4 GPU(s), this machine has 1 (nvidia-smi -L lists 1)" in why and "vLLM importable" in why
+    assert rs.refusal(sc, (4, ""), has_vllm=True) is None
+    if rs.gpu_count()[0] == 0:  # the CPU box: the CLI refuses before running anything
+        r = subprocess.run([sys.executable, str(REPO / "bench/run_scenario.py"), "weight-sync-nccl"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "needs 2 GPU(s), this machine has 0" in r.stderr, r.stderr
+
+
+def test_unknown_scenarios_params_and_keys_are_refused(tmp_path, monkeypatch):
+    assert rs.main(["no-such-scenario"]) == 2
+    assert rs.main(["train-split-2p2", "--set", "NO_SUCH=1", "--dry-run"]) == 2
+    monkeypatch.setattr(rs, "SCENARIOS", tmp_path)
+    (tmp_path / "bad.yaml").write_text("what: x\nneeds: {gpus: 0}\nminutes: 1\nsteps: [{name: a, run: b}]\nextra: 1\n")
+    with pytest.raises(rs.ScenarioError, match="unknown key 'extra'.*missing key 'deadline_s'"):
+        rs.load("bad")
+
+
+def test_the_2p2_scenario_runs_the_split_config_with_fast_load_and_for_each_expands_a_step(capsys):
+    assert rs.main(["train-split-2p2", "--set", "STEPS=7", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "python3 -m launcher --config configs/gpu/split_2p2.yaml training.max_steps=$STEPS" in out
+    for arg in ("rollout_server.weight_load=fast", "training.output_dir=runs/bench-2p2", "--grace-s 20",
+                "bench/run_evidence.py --json $OUT/evidence.json runs/bench-2p2"):
+        assert arg in out, arg
+    sc = rs.load("sweep-b-ratio")
+    steps = rs.plan(sc, rs.environment(sc, {"B_RATIOS": "0.1, 0.3"}, Path("/tmp/o"), []))
+    names = [s[0] for s in steps if not s[0].startswith("asset ")]
+    assert names == ["b_ratio 0.1", "b_ratio 0.3"] and steps[-1][1].startswith("ITEM=0.3\n")
+
+
+def test_a_step_logs_both_streams_and_its_exit_code_and_honours_deadline_and_budget(tmp_path):
+    log = rs.Log(tmp_path / "scenario.log", None)
+    env = {**os.environ}
+    assert rs.run_step(log, "ok", "echo to-stdout; echo to-stderr >&2; exit 3", 20, env) == 3
+    assert rs.run_step(log, "slow", "sleep 30", 1, env, kill_after_s=2) == 124
+    text = (tmp_path / "scenario.log").read_text()
+    assert "to-stdout" in text and "to-stderr" in text and "ok -> rc=3" in text and "slow -> rc=124" in text
+    tight = rs.Log(tmp_path / "tight.log", budget_s=10)
+    assert rs.run_step(tight, "skipped", "true", 60, env) is None
+    assert "skipped SKIPPED" in (tmp_path / "tight.log").read_text()
 
 
 def _write_run(run: Path, overlap: bool) -> None:
@@ -273,44 +341,43 @@ def _write_run(run: Path, overlap: bool) -> None:
             r.update({"time/sync_total": 1.5, "time/sync_stall": 9.0 if s == 0 else 1.5})
         lines.append(json.dumps(r))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"torn")
+    (run / "logs").mkdir()
+    (run / "logs/learner.log").write_text("x learner.sync.nccl: weights synced to http://h over NCCL: ver 4\n")
 
 
-def test_session_part_e_prints_run_evidence_and_the_stall_comparison(tmp_path):
+def test_the_run_evidence_scenario_prints_the_stall_comparison_and_writes_the_figures(tmp_path):
     _write_run(tmp_path / "runs/blocking", overlap=False)
     _write_run(tmp_path / "runs/overlap", overlap=True)
-    env = {**os.environ, "OUT": str(tmp_path / "out")}
-    r = subprocess.run(["bash", str(REPO / "bench/gpu_session.sh"), "E", str(tmp_path / "runs/blocking"),
-                        str(tmp_path / "runs/overlap")], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "[blocking] blocking: records 8, optimizer steps 8, B steps 4" in r.stdout
-    assert "[overlap] overlap:" in r.stdout
-    assert "blocking 1.5s (blocking) vs overlap 0.01s (overlap)" in r.stdout  # the first sync is left out
-    ev = json.loads((tmp_path / "out/evidence-E.json").read_text())
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(REPO / "bench/run_scenario.py"), "run-evidence", "--out", str(out), "--",
+                        str(tmp_path / "runs/blocking"), str(tmp_path / "runs/overlap")],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (out / "scenario.log").read_text()
+    assert "[blocking] blocking: records 8, optimizer steps 8, B steps 4" in log
+    assert "[overlap] overlap:" in log
+    assert "blocking 1.5s (blocking) vs overlap 0.01s (overlap)" in log  # the first sync is left out
+    assert "weights synced to http://h over NCCL: ver 4" in log
+    ev = json.loads((out / "evidence.json").read_text())
     assert ev["blocking"]["sync_stall_sync_steps"]["max"] == 9.0
     assert ev["overlap"]["vers"] == [1, 2, 3, 4] and ev["overlap"]["ver_monotonic"]
 
 
-def _run_step(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess, str]:
-    """Run the session script's own `step` function (cut out of the file) with LOG under tmp_path."""
-    script = (REPO / "bench/gpu_session.sh").read_text()
-    start = script.index("step() {")
-    func = script[start:script.index("\n}\n", start) + 3]
-    log = tmp_path / "session.log"
-    prog = f'LOG="{log}"; T0=$(date +%s); BUDGET="${{BUDGET:-}}"\n{func}\n{body}\n'
-    r = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    return r, log.read_text() if log.exists() else ""
+def test_bundle_cuts_logs_to_their_last_lines(tmp_path, monkeypatch):
+    import tarfile
 
-
-def test_session_step_logs_output_and_exit_code_and_honours_deadline_and_budget(tmp_path):
-    r, log = _run_step(tmp_path, "step ok 20 bash -c 'echo to-stdout; echo to-stderr >&2; exit 3'\n"
-                                 "step slow 1 sleep 30\n"
-                                 "BUDGET=10 step skipped 60 true")
-    assert r.returncode == 0, r.stderr
-    assert "to-stdout" in log and "to-stderr" in log      # both streams land in the session log
-    assert "ok -> rc=3" in log                              # the step's own exit code, not the script's
-    assert "slow -> rc=124" in log                          # the deadline killed it
-    assert "skipped SKIPPED" in log                         # too little of the budget left: not started
-    assert not list(tmp_path.glob("timeout*")), "a redirection wrote a stray file"
+    run = tmp_path / "r"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs/a.log").write_text("".join(f"{i}\n" for i in range(5000)))
+    (run / "summary.json").write_text("{}")
+    (run / "model.safetensors").write_bytes(b"0" * 10)
+    target = rs.bundle(tmp_path, [str(run)], {})
+    with tarfile.open(target) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        log = next(n for n in members if n.endswith("logs/a.log"))
+        lines = tar.extractfile(log).read().decode().splitlines()
+    assert len(lines) == 3000 and lines[-1] == "4999"
+    assert any(n.endswith("summary.json") for n in members) and not any(n.endswith(".safetensors") for n in members)
 
 
 def test_config_only_model_dirs_name_their_architecture(tmp_path):
@@ -320,27 +387,6 @@ def test_config_only_model_dirs_name_their_architecture(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     assert not list(out.glob("*.safetensors"))  # config, tokenizer and processor only
-
-
-def test_session_train_2p2_runs_the_split_config_with_fast_load(tmp_path):
-    """The helper Y2 and Y5 share: builds the model only where missing, then the launcher command line."""
-    script = (REPO / "bench/gpu_session.sh").read_text()
-    start = script.index("train_2p2() {")
-    func = script[start:script.index("\n}\n", start) + 3]
-    (tmp_path / "m/1.5b").mkdir(parents=True)
-    (tmp_path / "m/1.5b/tandem_build.json").write_text("{}")
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d/train.jsonl").write_text("")
-    prog = (f'MODELS="{tmp_path}/m"; DATA="{tmp_path}/d"\nstep() {{ echo "STEP $*"; }}\n{func}\n'
-            "train_2p2 gpu-2p2-x 7 99")
-    r = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, timeout=30, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    lines = [x for x in r.stdout.splitlines() if x.startswith("STEP ")]
-    assert len(lines) == 1, lines  # model and data present: no build step
-    assert lines[0].startswith("STEP launcher-gpu-2p2-x 99 python3 -m launcher --config configs/gpu/split_2p2.yaml")
-    for arg in ("training.max_steps=7", "rollout_server.weight_load=fast", "training.output_dir=runs/gpu-2p2-x",
-                "run_name=gpu-2p2-x", "--grace-s 20"):
-        assert arg in lines[0], arg
 
 
 def test_compare_runs_reports_waiting_and_b_throughput_against_the_first_run(tmp_path):

@@ -1,6 +1,6 @@
 """The collective weight-sync path (transport ``nccl``) end to end on CPU: gloo stands in for NCCL.
 
-Learner side: ``learner.sync.nccl.NcclWeightSender`` with the weights on CPU (so its group is gloo).
+Learner side: ``learner.weight_sync.nccl.NcclWeightSender`` with the weights on CPU (so its group is gloo).
 Server side: a real ``python -m rollout_server`` process with the hf engine on CPU, which joins the
 group with gloo. Everything between them is what the GPU run uses: ``/sync/init`` with a rendezvous,
 the group kept across pushes, ``/sync/begin``, ONE ``/sync/update`` while rank 0 broadcasts packed
@@ -14,8 +14,8 @@ import httpx
 import torch
 
 from common.wire.http import InferItem, InferResponse, SamplingParams
-from learner.sync.nccl import NcclWeightSender
-from common.tensors import weights as W
+from learner.weight_sync.nccl import NcclWeightSender
+from common.weight_sync import weights as W
 from tests.server_proc import rollout_server_process
 from tests.test_fence import version_weights
 

@@ -64,9 +64,9 @@ def test_rollout_buffer_fails_fast():
 
 
 
-def test_async_requires_full_sync():
-    msg = one_problem(BASE + ["rollout_matching.vllm.sync.mode=adapter"], "rollout_matching.vllm.sync.mode")
-    assert "full" in msg
+def test_the_single_valued_sync_mode_is_retired_with_the_fix():
+    msg = one_problem(BASE + ["rollout_matching.vllm.sync.mode=full"], "rollout_matching.vllm.sync.mode")
+    assert "Fix: remove it" in msg and "model.adapter.sync" in msg
 
 
 def test_unknown_keys_fail_anywhere_with_a_suggestion():
@@ -100,14 +100,24 @@ def test_step_mode_under_world_size_two_points_to_async():
 
 @pytest.mark.parametrize("mode", ["step", "micro"])
 def test_overlap_sync_in_a_one_process_mode_is_refused_with_the_fix(mode):
-    msg = one_problem(BASE + [f"stage2_ab.channel_b.mode={mode}", "stage2_ab.channel_b.async.sync_mode=overlap"],
-                      "stage2_ab.channel_b.async.sync_mode")
-    assert "sync_mode: blocking" in msg and "mode: async" in msg
+    msg = one_problem(BASE + [f"stage2_ab.channel_b.mode={mode}", "weight_sync.mode=overlap"],
+                      "weight_sync.mode")
+    assert "weight_sync.mode: blocking" in msg and "mode: async" in msg
 
 
 def test_overlap_sync_in_async_mode_loads():
-    cfg = load_config(None, BASE + ["stage2_ab.channel_b.async.sync_mode=overlap"], world_size=2)
-    assert cfg.stage2_ab.channel_b.async_.sync_mode == "overlap"
+    cfg = load_config(None, BASE + ["weight_sync.mode=overlap"], world_size=2)
+    assert cfg.weight_sync.mode == "overlap"
+
+
+def test_a_bucket_bigger_than_the_server_takes_is_refused_naming_both_keys():
+    msg = one_problem(BASE + ["weight_sync.bucket_mb=64", "rollout_server.max_bucket_mb=32"], "rollout_server.max_bucket_mb")
+    assert "weight_sync.bucket_mb 64" in msg and "lower weight_sync.bucket_mb" in msg
+
+
+@pytest.mark.parametrize("key", ["every_steps", "bucket_mb"])
+def test_weight_sync_counts_below_one_are_refused(key):
+    assert "set weight_sync." in one_problem(BASE + [f"weight_sync.{key}=0"], f"weight_sync.{key}")
 
 
 def test_overlapping_gpu_sets_fail():

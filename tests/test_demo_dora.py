@@ -33,7 +33,7 @@ def test_the_dora_demo_trains_b_steps_syncs_the_adapter_alone_and_checkpoints_it
     cfg["data"]["train_jsonl"] = str(detector_data_dir / "train.jsonl")
     cfg["training"].update(output_dir=str(tmp_path / "run"), max_steps=STEPS, save_every_steps=0)
     cfg["stage2_ab"]["schedule"]["b_ratio"] = 0.25  # B at steps 3 and 7
-    cfg["stage2_ab"]["channel_b"]["async"]["sync_every_steps"] = 3  # syncs at steps 0, 3, 6
+    cfg["weight_sync"]["every_steps"] = 3  # syncs at steps 0, 3, 6
     cfg["rollout_matching"]["decoding"]["max_new_tokens"] = 32
     cfg["rollout_matching"]["vllm"]["servers"] = [{"base_url": f"http://127.0.0.1:{http}"}]
     cfg["rollout_server"]["port"] = http

@@ -13,7 +13,8 @@ from PIL import Image
 
 from common.data.records import GTObject
 from common.evaluation.metrics import ImageResult, Prediction
-from evaluator.__main__ import MAX_BATCH, MAX_TOKENS, main
+from evaluator.__main__ import main
+from evaluator.args import MAX_BATCH, MAX_TOKENS
 from evaluator.draw import GT_COLOR, PRED_COLOR, SCALE, draw_predictions, grid_geometry
 
 REPO = Path(__file__).resolve().parents[1]

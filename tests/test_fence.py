@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from common.wire.http import InferItem, InferResponse, SamplingParams
-from common.tensors import weights as W
-from learner.sync import SyncError, cast_stream, plan
-from learner.sync.http import HttpWeightSender
+from common.weight_sync import weights as W
+from learner.weight_sync.session import SyncError
+from learner.weight_sync.base import cast_stream, plan
+from learner.weight_sync.http import HttpWeightSender
 from tests.server_proc import REPO, rollout_server_process
 
 pytestmark = pytest.mark.slow
@@ -175,9 +176,9 @@ def test_under_load_every_response_carries_the_ver_whose_weights_produced_it(ser
 KILLED_CLIENT = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import load_file
-    from common.tensors import weights as W
-    from learner.sync import cast_stream, plan
-    from learner.sync.http import HttpWeightSender
+    from common.weight_sync import weights as W
+    from learner.weight_sync.base import cast_stream, plan
+    from learner.weight_sync.http import HttpWeightSender
     url, path = sys.argv[1], sys.argv[2]
     client = HttpWeightSender(url, timeout_s=60)
     session = client.open(bucket_bytes=1 << 18)
@@ -275,7 +276,7 @@ def test_a_commit_whose_fingerprint_differs_from_the_staged_weights_is_refused_b
 def test_a_transport_failing_mid_send_gets_the_session_aborted_by_the_one_push_protocol(server, versions):
     """``PushSender.push`` owns the abort: any transport's failure after the fence closed reopens it at
     once (no idle timeout), the old weights and ver stay, and the transport's ``_failed`` hook runs."""
-    from learner.sync import PushSender
+    from learner.weight_sync.base import PushSender
 
     class CutLink(PushSender):
         transport = "cut"
@@ -302,7 +303,7 @@ def test_a_transport_failing_mid_send_gets_the_session_aborted_by_the_one_push_p
 def test_a_stalled_bucket_upload_ends_its_session_at_the_idle_timeout_and_the_fence_reopens(server, versions):
     """10 bytes of a 1000-byte bucket, then silence: the read gives up after sync_idle_timeout_s (a 408),
     the session is aborted with the old weights and ver, /health is ok again and /infer is served."""
-    from common.wire.sync import BUCKET_HEADER, SyncBucketHeader
+    from common.weight_sync.messages import BUCKET_HEADER, SyncBucketHeader
     from tests.test_server_bad_input import metric, raw_http
 
     ver = current_ver(server)

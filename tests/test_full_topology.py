@@ -34,7 +34,7 @@ def _config(tmp_path: Path, model_dir: Path, data_dir: Path) -> tuple[Path, dict
     cfg["model"]["path"] = str(model_dir)
     cfg["data"].update(train_jsonl=str(data_dir / "train.jsonl"), val_jsonl=str(data_dir / "val.jsonl"))
     cfg["training"]["eval_every_steps"] = 0
-    cfg["stage2_ab"]["channel_b"]["async"].update(sync_mode="blocking", sync_every_steps=2)  # the demo syncs every 24
+    cfg["weight_sync"].update(mode="blocking", every_steps=2)  # the demo syncs every 24
     cfg["training"].update(output_dir=str(tmp_path / "run"), max_steps=12, save_every_steps=0)
     cfg["rollout_matching"]["vllm"]["servers"] = [{"base_url": f"http://127.0.0.1:{http}"}]
     cfg["rollout_matching"]["decoding"]["max_new_tokens"] = 48
@@ -56,8 +56,8 @@ class SecondSyncClient(threading.Thread):
         self.url, self.deadline, self.result = url, time.monotonic() + deadline_s, {}
 
     def run(self) -> None:
-        from learner.sync import SyncError
-        from learner.sync.http import HttpWeightSender
+        from learner.weight_sync.session import SyncError
+        from learner.weight_sync.http import HttpWeightSender
 
         while time.monotonic() < self.deadline:
             time.sleep(0.2)

@@ -72,7 +72,7 @@ def test_a_text_only_config_with_top_level_keys_has_no_vision_term(tmp_path):
 
 
 def test_bf16_training_state_is_eight_bytes_a_parameter_plus_two_for_the_overlap_snapshot():
-    blocking = load_config(ONE_GPU, ["stage2_ab.channel_b.async.sync_mode=blocking"])
+    blocking = load_config(ONE_GPU, ["weight_sync.mode=blocking"])
     need = G.learner_need(blocking, PRESET_05B)
     p = PRESET_05B.num_params
     assert need["weights"] + need["gradients"] + need["AdamW state"] == 8 * p and "overlap snapshot" not in need
@@ -90,7 +90,7 @@ def test_checkpointing_and_shorter_packs_shrink_the_activation_term():
 
 def test_http_sync_needs_no_gpu_chunk_on_the_learner_nor_fast_load_buffers_on_the_server():
     auto = load_config(ONE_GPU)
-    http = load_config(ONE_GPU, ["rollout_matching.vllm.sync.transport=http"])
+    http = load_config(ONE_GPU, ["weight_sync.transport=http"])
     assert G.server_share(auto, H100) - G.server_share(http, H100) == 2 * 512 << 20
     assert G.server_share(http, H100) == int(0.3 * H100)
     assert "sync chunk" in G.learner_need(auto, PRESET_05B) and "sync chunk" not in G.learner_need(http, PRESET_05B)
@@ -112,7 +112,7 @@ def test_on_a_28_gib_gpu_the_refusal_names_every_key_to_change_and_the_numbers()
     assert why is not None
     for key in ("rollout_server.gpu_memory_utilization", "training.global_max_length",
                 "training.per_device_train_batch_size", "training.gradient_checkpointing",
-                "stage2_ab.channel_b.async.sync_mode", "model.path"):
+                "weight_sync.mode", "model.path"):
         assert key in why, key
     assert "shared GPU [0] (28.0 GiB;" in why
     assert "server: 9.4 GiB = rollout_server.gpu_memory_utilization 0.3 × 28.0 GiB + 1.0 GiB" in why
@@ -202,8 +202,8 @@ def test_the_fsdp_units_come_from_the_safetensors_headers_by_block(tmp_path):
 
 
 def test_fsdp_divides_the_training_state_by_the_world_size_and_drops_ddps_buckets():
-    ddp = G.learner_need(load_config(ONE_GPU, ["stage2_ab.channel_b.async.sync_mode=blocking"]), PRESET_05B)
-    two = load_config(ONE_GPU, ["stage2_ab.channel_b.async.sync_mode=blocking", "learner.parallel=fsdp",
+    ddp = G.learner_need(load_config(ONE_GPU, ["weight_sync.mode=blocking"]), PRESET_05B)
+    two = load_config(ONE_GPU, ["weight_sync.mode=blocking", "learner.parallel=fsdp",
                                 "learner.nproc_per_node=2", "learner.gpus=[0,1]"])
     fsdp = G.learner_need(two, PRESET_05B)
     p = PRESET_05B.num_params
@@ -243,8 +243,8 @@ def test_the_estimate_is_within_15_percent_of_the_measured_peak_at_the_operating
     results file, row varlen+chunked. ``fixed`` (CUDA context, workspaces) is outside torch's allocator count."""
     results = json.loads((REPO / "bench/results/learner_op_h100_2026-11-27.json").read_text())
     measured = next(r["peak_gib"] for r in results["runs"][-1]["rows"] if r["row"] == "varlen+chunked")
-    cfg = load_config(OP_POINT, ["stage2_ab.channel_b.async.sync_mode=blocking",
-                                 "rollout_matching.vllm.sync.transport=http"])
+    cfg = load_config(OP_POINT, ["weight_sync.mode=blocking",
+                                 "weight_sync.transport=http"])
     need = G.learner_need(cfg, PRESET_3B_REAL_VOCAB)
     estimate = (sum(need.values()) - need["fixed"]) / GIB
     assert abs(estimate - measured) <= 0.15 * measured, (estimate, measured)

@@ -4,13 +4,20 @@ One vLLM rollout server (``configs/gpu/split_1p1.yaml``, GPU 0) serves the Qwen2
 preset built by ``tools/make_tiny_model.py`` (random weights, no download; ``TANDEM_GPU_FAMILY=qwen3-vl``:
 the Qwen3-VL ``2b`` preset); this process is the
 learner on GPU 1 (GPU 0 beside the server when the machine has one GPU) with the same checkpoint
-in transformers. Weight versions are the checkpoint with
-a seeded perturbation of every language-model matrix and a sharp, seeded final norm, so that each
-version's greedy output is distinct and decided by wide logit margins (bf16 noise between the HF
-and vLLM kernels cannot flip it). The learner computes each version's greedy tokens with the
-project's own ``HFGenerator``; a server response tagged ``ver`` must equal those of the weights
-pushed as ``ver``, which shows that the weights arrived under the right names and that the fence
-tags every batch exactly.
+in transformers. Weight versions are
+the checkpoint with a seeded perturbation of every language-model matrix and a sharp, seeded final norm,
+so that each version's greedy output is distinct. The learner computes each version's greedy tokens with
+the project's own ``HFGenerator``; a served answer after a sync must be the learner's greedy answer up to
+bf16 ties: teacher-forced under the pushed version, every served token's logit lies within
+:data:`TIE_LOGITS` of the learner's best (:meth:`Learner.greedy_gaps`). Exact equality is not required
+because the margins are not always wide: on the Qwen3-VL 2b preset the first step's top three log-probs
+lie within 0.25 of each other, and HF and vLLM, both loading the same version from disk, part at the 6th
+token (1 x H200, vLLM 0.26, 2026-11-27); the project's ``HFGenerator`` on another GPU even chose the
+third of them as the first token. The sync itself was exact there: the pushed version served the
+disk-loaded version's tokens bit for bit, over the fast and the native load, and pushing ver 0 back
+restored ver 0's (``docs/benchmarks.md`` section 22). Wrong names or bytes would put tokens many logits below the best: the test checks
+that the previous version's answer is that far off. The fence test checks that the server tags every
+batch with the version whose weights produced it.
 
 That server runs eager (``enforce_eager`` overridden to true): with CUDA graphs on, vLLM's compiled
 kernels round differently enough that its greedy output leaves the HF learner's after ~8 tokens even
@@ -64,6 +71,9 @@ PRESET = {"qwen2.5-vl": "0.5b", "qwen3-vl": "2b"}[FAMILY]
 MODEL_DIR = Path(os.environ.get("TANDEM_GPU_MODEL", "/tmp/tandem-models/" + (
     PRESET if FAMILY == "qwen2.5-vl" else f"{FAMILY}-{PRESET}")))
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
+#: How far (in logits) a served token may sit below the learner's best and still count as its greedy choice:
+#: a few bf16 steps at the logits' magnitude (module docstring). A wrong weight is many logits off.
+TIE_LOGITS = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +137,16 @@ class Learner:
             if k and name.endswith("language_model.norm.weight"):
                 p.copy_(8.0 * torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype))
 
+    @torch.no_grad()
+    def greedy_gaps(self, k: int, tokens: list[int]) -> list[float]:
+        """How far below the best logit each of ``tokens`` (an answer to ``prompt_ids``) lies under version ``k``,
+        teacher-forced in one forward: all 0 for the learner's own greedy answer."""
+        self.set_version(k)
+        ids = torch.tensor([self.prompt_ids + list(tokens)], device=f"cuda:{LEARNER_GPU}")
+        logits = self.model(input_ids=ids).logits[0, len(self.prompt_ids) - 1:-1].float()
+        picked = logits.gather(1, ids[0, len(self.prompt_ids):, None])[:, 0]
+        return [round(g, 3) for g in (logits.max(-1).values - picked).tolist()]
+
     def greedy(self, k: int) -> list[int]:
         if k not in self.expected:
             from common.wire.http import SamplingParams
@@ -143,7 +163,7 @@ def learner(model_dir) -> Learner:
 
 @pytest.fixture(scope="module")
 def sender(server):
-    from learner.sync import make_sender
+    from learner.weight_sync.transport import make_sender
 
     s = make_sender(server.url, "nccl" if TWO_GPUS else "http", timeout_s=300)
     yield s
@@ -196,18 +216,26 @@ def test_after_a_sync_the_server_greedy_output_equals_the_learners(server, learn
     report = sender.push(learner.model.named_parameters(), bucket_bytes=64 << 20)
     after = infer(server.url, item, GREEDY)
     assert after.ver == report.ver == before.ver + 1
-    assert after.outputs[0].token_ids == want, (f"server {after.outputs[0].token_ids} != learner {want} after the sync "
-                                                f"(before the sync the server said {before.outputs[0].token_ids})")
-    assert before.outputs[0].token_ids != want
-    print(f"greedy after sync ver {after.ver}: server == learner == {want}; {report.n_buckets} chunks, "
+    got = after.outputs[0].token_ids
+    gaps, off = learner.greedy_gaps(1, got), learner.greedy_gaps(1, before.outputs[0].token_ids)
+    assert max(gaps) <= TIE_LOGITS, (
+        f"server {got} is not the learner's greedy answer {want} after the sync: its tokens sit {gaps} logits below "
+        f"the learner's best (a tie is ≤ {TIE_LOGITS})")
+    assert max(off) > 4 * TIE_LOGITS, f"the check cannot tell versions apart: ver 0's answer is only {off} off"
+    print(f"greedy after sync ver {after.ver}: server {got} vs learner {want}, gaps {gaps} (ver 0's answer: {off}); "
+          f"{report.n_buckets} chunks, "
           f"{report.bytes / 1e9:.2f} GB, wire {report.wire_s:.3f}s")
 
 
 @needs_nccl
 def test_fence_under_load_every_response_carries_the_ver_whose_weights_produced_it(server, learner, sender):
-    """Each version's served greedy output is first read on a quiet server (so HF-vs-vLLM float noise
-    plays no part), then the versions are pushed again under load: a response tagged ``ver`` must be
-    exactly the output of the weights pushed as ``ver``."""
+    """Each version's served greedy output is first read on a quiet server, then the versions are pushed again
+    under load: an output tagged ``ver`` must be a greedy answer of the weights pushed as ``ver`` (within bf16
+    ties, :meth:`Learner.greedy_gaps`) — an output of another version's weights sits many logits off. Not
+    token-for-token equality with the quiet output: under load vLLM batches other requests beside it, and
+    near-tied tokens can go either way in another batch shape (Qwen3-VL 2b on 2 x H200, 2026-11-27: 117 of 210
+    outputs under load differed from the quiet ones, which failed the exact check this one replaced; this
+    check has not run on a GPU yet)."""
     versions = [2, 3, 4, 5]
     item = [{"prompt_token_ids": learner.prompt_ids}]
     served: dict[int, list[int]] = {}
@@ -217,8 +245,9 @@ def test_fence_under_load_every_response_carries_the_ver_whose_weights_produced_
         sender.push(learner.model.named_parameters(), bucket_bytes=64 << 20)
         served[k] = infer(server.url, item, GREEDY).outputs[0].token_ids
         agree += served[k] == learner.greedy(k)
+        gaps = learner.greedy_gaps(k, served[k])
+        assert max(gaps) <= TIE_LOGITS, f"ver {k}: served {served[k]} sits {gaps} logits below the learner's best"
     assert len({tuple(v) for v in served.values()}) == len(versions), "versions must differ in output"
-    assert agree >= len(versions) - 1, f"only {agree} of {len(versions)} versions match the learner's greedy output"
     index_of_ver: dict[int, int] = {}
     ver0 = httpx.get(server.url + "/health", timeout=10).json()["ver"]
     index_of_ver[ver0] = versions[-1]
@@ -260,13 +289,18 @@ def test_fence_under_load_every_response_carries_the_ver_whose_weights_produced_
             t.join(timeout=120)
     assert not failures, failures[:3]
     assert [r.ver for r in reports] == list(range(ver0 + 1, ver0 + 1 + len(reports)))
-    wrong = [(v, toks) for v, toks in results if toks != served[index_of_ver[v]]]
-    assert not wrong, f"{len(wrong)} of {len(results)} outputs carry another version's output, first {wrong[0]}"
+    answers = {(v, tuple(toks)) for v, toks in results}
+    gaps = {(v, toks): max(learner.greedy_gaps(index_of_ver[v], list(toks))) for v, toks in answers}
+    wrong = [(v, toks, g) for (v, toks), g in gaps.items() if g > TIE_LOGITS]
+    assert not wrong, (f"{len(wrong)} of {len(answers)} distinct outputs are not greedy answers of the version they "
+                       f"are tagged with (ver, tokens, logits below the best): {wrong[:3]}")
+    exact = sum(toks == served[index_of_ver[v]] for v, toks in results)
     seen = sorted({v for v, _ in results})
     assert len(seen) >= len(reports), f"load did not span the syncs: saw vers {seen}"
     print(f"fence under load: {len(results)} outputs over vers {seen}, {len(reports)} syncs, drained "
-          f"{sum(r.drained for r in reports)}, aborted {sum(r.aborted for r in reports)}, 0 failures, 0 mis-tagged; "
-          f"HF greedy == vLLM greedy for {agree} of {len(versions)} versions")
+          f"{sum(r.drained for r in reports)}, aborted {sum(r.aborted for r in reports)}, 0 failures, 0 mis-tagged "
+          f"({exact} equal to the quiet output token for token); "
+          f"HF greedy == vLLM greedy token for token for {agree} of {len(versions)} versions (all within ties)")
 
 
 @needs_nccl
@@ -306,7 +340,7 @@ def test_under_cuda_graphs_pushing_the_disk_weights_back_restores_the_servers_ow
     perturbed ver 1 and the checkpoint's own weights pushed back as ver 2, over the GPU transport of the placement
     (one GPU: the learner beside the server, CUDA ``ipc``; two: the learner on GPU 1, ``nccl``) and then over
     ``http``. (CUDA IPC across two GPUs is refused by the server, by design: 4 x H200, 2026-11-26.)"""
-    from learner.sync import make_sender
+    from learner.weight_sync.transport import make_sender
 
     items = [{"id": "ids", "prompt_token_ids": learner.prompt_ids},
              {"id": "text", "messages": [{"role": "user", "content": "Name every object you can see."}]},

@@ -1,6 +1,6 @@
 """The NCCL weight-sync path without vLLM: learner sender -> hf engine receiver.
 
-* CPU (always runs): the packed protocol between ``learner/sync/nccl.py``'s broadcaster and the hf
+* CPU (always runs): the packed protocol between ``learner/weight_sync/nccl.py``'s broadcaster and the hf
   engine's receiver, over a stand-alone gloo group in two spawned processes (chunk boundaries,
   dtype casts, names, offsets).
 * GPU (``-m gpu``, 2 GPUs): a real hf rollout server on GPU 0 receives from this process on GPU 1
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.tensors import weights as W
+from common.weight_sync import weights as W
 from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process
 
@@ -45,7 +45,7 @@ def _tensors() -> list[torch.Tensor]:
 
 
 def _sender(port: int, out: str) -> None:
-    from learner.sync.nccl import _Broadcaster, _TorchGroup
+    from learner.weight_sync.nccl import _Broadcaster, _TorchGroup
 
     group = _TorchGroup("127.0.0.1", port, 2, 20.0, "gloo", torch.device("cpu"))
     ts = _tensors()
@@ -64,7 +64,7 @@ def _sender(port: int, out: str) -> None:
 def _receiver(port: int, out: str) -> None:
     import types
 
-    from common.wire.sync import SyncBucketHeader
+    from common.weight_sync.messages import SyncBucketHeader
     from rollout_server.engines.hf import HFEngine
 
     engine = HFEngine("unused")
@@ -124,7 +124,7 @@ def learner_model(tiny_model_dir):
 @pytest.mark.gpu
 @needs_two_gpus
 def test_nccl_push_to_the_hf_engine_lands_every_weight_under_its_name(tiny_model_dir, learner_model):
-    from learner.sync.nccl import NcclWeightSender
+    from learner.weight_sync.nccl import NcclWeightSender
     from tests.test_collective_sync_cpu import assert_served_greedy_is_the_learners
     from tests.test_fence import version_weights
 
@@ -145,8 +145,8 @@ def test_nccl_push_to_the_hf_engine_lands_every_weight_under_its_name(tiny_model
 @pytest.mark.gpu
 @needs_two_gpus
 def test_a_server_frozen_mid_sync_is_a_sync_error_within_the_deadline_not_a_hang(tiny_model_dir, learner_model):
-    from learner.sync.nccl import NcclWeightSender
-    from learner.sync import SyncError
+    from learner.weight_sync.nccl import NcclWeightSender
+    from learner.weight_sync.session import SyncError
 
     model, _ = learner_model
     with hf_server_on_gpu0(tiny_model_dir) as srv:

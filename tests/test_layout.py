@@ -2,7 +2,7 @@
 
 Process folders (one per process kind) meet only through ``common/``: subpackages by concept (config, wire,
 detection, evaluation, packing, data, runs), torch-free, and the few that need torch (``TORCH_PACKAGES``:
-weight tensors, generation, rank groups; never fastapi or vLLM). ``common/`` has no module of its own, and a
+weight sync, generation, rank groups; never fastapi or vLLM). ``common/`` has no module of its own, and a
 name is imported from the module that defines it, never through a re-export. The one import allowed
 between process folders is ``learner/modes.py`` → ``actor/``: the one-process modes run the actor's
 pipeline as a library. ``tandem/`` is the console command above every process folder; it reaches
@@ -22,7 +22,7 @@ ALLOWED_CROSSING = {("learner/modes.py", "actor")}
 MAX_LINES = 450
 HEAVY_FOR_COMMON = ("torch", "fastapi", "vllm", "uvicorn", "transformers")
 #: The subpackages of ``common/`` whose modules may import torch at module level (never fastapi or vLLM).
-TORCH_PACKAGES = ("tensors", "generation", "distributed")
+TORCH_PACKAGES = ("weight_sync", "generation", "distributed")
 #: Where importers live: every folder of Python code, and the top-level conftest.
 ALL_CODE = (*PROCESS_FOLDERS, "common", "tandem", "tools", "bench", "tests")
 
@@ -201,3 +201,12 @@ def test_common_names_are_imported_from_the_module_that_defines_them():
                 bad.append(f"{rel(path)}:{node.lineno}: {node.value.id}.{node.attr}: "
                            f"{aliases[node.value.id]} does not define {node.attr}")
     assert not bad, "import each name from the module that defines it:\n" + "\n".join(bad)
+
+
+def test_the_weight_sync_map_names_only_files_that_exist():
+    """common/weight_sync/__init__.py is where a reader starts on weight sync: every file its map names is there."""
+    text = (REPO / "common" / "weight_sync" / "__init__.py").read_text(encoding="utf-8")
+    named = set(re.findall(r"\b((?:common|learner|rollout_server|docs|tests)/[\w/]+\.(?:py|md))\b", text))
+    assert len(named) >= 15, named
+    missing = sorted(p for p in named if not (REPO / p).is_file())
+    assert not missing, f"common/weight_sync/__init__.py names files that are not there: {missing}"

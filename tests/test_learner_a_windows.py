@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from learner.data import ChannelAData
-from learner.metrics import RankStats, step_record
+from learner.metrics import metrics_line
+from learner.step_record import RankStats, StepFacts
 from tests.factories import make_segment
 
 PACKING_LENGTH = 1024
@@ -126,13 +127,11 @@ def test_ranks_draw_disjoint_deterministic_shares(make_data):
 
 def test_the_step_record_reports_samples_per_step_by_channel():
     def stats(kind_b: float, segments: int) -> RankStats:
-        s = RankStats()
-        s.update(kind_b=kind_b, segments=segments, packs=2, tokens=1900, fill_sum=1.86, time_step=1.0)
-        return s
+        return RankStats(kind_b=kind_b, segments=segments, packs=2, tokens=1900, fill_sum=1.86, time_step=1.0)
 
-    a = step_record(0, [stats(0, 19), stats(0, 18)], {}, PACKING_LENGTH)
+    a = metrics_line(0, [stats(0, 19), stats(0, 18)], StepFacts())
     assert (a["train/samples_a"], a["train/samples_b"]) == (37, 0)
-    b = step_record(1, [stats(1, 6), stats(1, 5)], {}, PACKING_LENGTH)
+    b = metrics_line(1, [stats(1, 6), stats(1, 5)], StepFacts())
     assert (b["train/samples_a"], b["train/samples_b"]) == (0, 11)
 
 

@@ -74,8 +74,8 @@ def push_weights(url: str, model_dir) -> int:
     """Push the model's own weights (ver += 1); returns the new ver."""
     from transformers import AutoModelForImageTextToText
 
-    from learner.sync.boundary import named_weights
-    from learner.sync.http import HttpWeightSender
+    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.http import HttpWeightSender
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     client = HttpWeightSender(url, timeout_s=60)
@@ -223,7 +223,7 @@ class FakeSync:
         self.script = script
 
     def boundary(self, model: Any, step: int, ver: int):
-        from learner.sync.boundary import SyncResult
+        from learner.weight_sync.boundary import SyncResult
 
         outcome = self.script.get(step)
         if outcome is None:
@@ -246,8 +246,8 @@ def test_the_learner_starts_an_evaluation_at_the_first_committed_push_from_each_
 
     import torch
 
-    from learner.metrics import RankStats
     from learner.rank import Learner
+    from learner.step_record import StepRecord
 
     cfg = eval_cfg(tmp_path, tiny_model_dir, synth_data_dir, "http://127.0.0.1:1")
     learner = Learner(cfg, SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu")))
@@ -256,7 +256,7 @@ def test_the_learner_starts_an_evaluation_at_the_first_committed_push_from_each_
     learner.evals = recorder = StartRecorder()
     for step in range(9):
         learner.step = step
-        learner.maybe_sync({}, RankStats())
+        learner.maybe_sync(StepRecord())
     # 0: start-up push. 2: due, push failed -> 3. 4: due, no push -> 5. 6: due, in flight -> 7. 8: due, pushed.
     assert recorder.started == [(0, 1), (3, 3), (5, 4), (7, 5), (8, 6)]
 
@@ -337,7 +337,8 @@ def learner_run(tmp_path_factory, tiny_model_dir, synth_data_dir):
         data={"val_jsonl": str(data / "val.jsonl")},
         training={"max_steps": 4, "eval_every_steps": 2, "eval_max_images": MAX_IMAGES},
         stage2_ab={"schedule": {"b_ratio": 0}, "coord_ce_weight": 1.0,
-                   "channel_b": {"mode": "step", "async": {"sync_every_steps": 2}}},
+                   "channel_b": {"mode": "step"}},
+        weight_sync={"every_steps": 2},
         rollout_matching={"decoding": {"max_new_tokens": 16}},
     )
     server, url = start_server(cfg_path, tmp / "server.log")
@@ -378,6 +379,6 @@ def test_eval_records_leave_the_step_records_as_they_were(learner_run):
 @pytest.mark.slow
 def test_the_final_weights_are_pushed_and_the_final_eval_and_checkpoint_share_their_ver(learner_run):
     last, state = learner_run["evals"][-1], learner_run["state"]
-    # pushes at boundaries 0 and 2 (sync_every_steps 2), then the final push of step 4's weights
+    # pushes at boundaries 0 and 2 (weight_sync.every_steps 2), then the final push of step 4's weights
     assert state["ver"] == 3 == learner_run["server_ver"], learner_run["log"]
     assert last["eval/ver"] == last["eval/ver_requested"] == state["ver"]

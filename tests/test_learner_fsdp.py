@@ -119,8 +119,8 @@ class _Run:
         cfg_path = write_config(self.out / "cfg.yaml", model_dir=model_dir, data_dir=data_dir,
                                 output_dir=self.out / "run", nproc=nproc, training=training,
                                 learner={"pack_wait_s": 60.0, **learner},
-                                stage2_ab={"schedule": {"b_ratio": 0.5 if pool is not None else 0.0},
-                                           "channel_b": {"async": {"sync_every_steps": 1000}}})
+                                stage2_ab={"schedule": {"b_ratio": 0.5 if pool is not None else 0.0}},
+                                weight_sync={"every_steps": 1000})
         self.actors = []
         if pool is not None:
             transport = load_config(cfg_path, world_size=nproc).transport

@@ -61,9 +61,9 @@ def write_config(path: Path, *, model_dir: Path, data_dir: Path, output_dir: Pat
                      "trace_micro_steps": True},
         "stage2_ab": {"schedule": {"b_ratio": 0.5},
                       "channel_b": {"mode": "async", "async": {"queue_limit": 4, "version_window": 1,
-                                                               "sync_every_steps": 1, "prefetch_target_packs": 3}}},
-        "rollout_matching": {"rollout_backend": "vllm", "vllm": {
-            "mode": "server", "sync": {"mode": "full", "transport": "http", "bucket_mb": 1, "timeout_s": 30},
+                                                               "prefetch_target_packs": 3}}},
+        "weight_sync": {"transport": "http", "every_steps": 1, "bucket_mb": 1, "timeout_s": 30},
+        "rollout_matching": {"vllm": {
             "servers": [{"base_url": f"http://127.0.0.1:{server_port}"}], "timeout_s": 60, "infer_timeout_s": 30},
             "decoding": {"temperature": 0.0, "max_new_tokens": 24}},
         "rollout_server": {"engine": "hf", "port": server_port, "hf_max_batch": 4},

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from learner.metrics import RANK_FIELDS, MetricsWriter, RankStats, step_record, unpack
+from learner.metrics import MetricsWriter, metrics_line
+from learner.pack_queue import COUNTER_NAMES
+from learner.step_record import ROLLOUT_COUNTS, SCALARS, RankStats, StepFacts
 
 
 def records(n: int) -> list[dict]:
@@ -51,28 +53,26 @@ def test_non_main_ranks_write_nothing(tmp_path):
 
 
 def _rank(kind_b: bool, packs: int, **rollout: int) -> RankStats:
-    r = RankStats()
-    r["kind_b"], r["packs"], r["time_step"] = float(kind_b), float(packs), 1.0
-    for k, v in rollout.items():
-        r[f"rollout_{k}"] = v
+    r = RankStats(kind_b=float(kind_b), packs=float(packs), time_step=1.0)
+    r.rollout.update(rollout)
     return r
 
 
 def test_an_a_step_record_has_no_rollout_quality_keys():
-    rec = step_record(0, [_rank(False, 2), _rank(False, 2)], {}, 1024)
+    rec = metrics_line(0, [_rank(False, 2), _rank(False, 2)], StepFacts())
     assert not [k for k in rec if k.startswith("rollout/")]  # absent, not the 1.0 that 0/0 would give
 
 
 def test_a_b_step_record_has_rollout_counts_and_ratios_from_the_summed_counts():
-    rec = step_record(1, [_rank(True, 2, n_pred=4, n_gt=2, n_matched=2, parse_truncated=1),
-                          _rank(True, 2, n_pred=0, n_gt=2, n_matched=0, invalid_rollout=1)], {}, 1024)
+    rec = metrics_line(1, [_rank(True, 2, n_pred=4, n_gt=2, n_matched=2, parse_truncated=1),
+                           _rank(True, 2, n_pred=0, n_gt=2, n_matched=0, invalid_rollout=1)], StepFacts())
     assert (rec["rollout/n_pred"], rec["rollout/n_gt"], rec["rollout/n_matched"]) == (4, 4, 2)
     assert (rec["rollout/parse_truncated"], rec["rollout/invalid_rollout"]) == (1, 1)
     assert (rec["rollout/precision"], rec["rollout/recall"], rec["rollout/f1"]) == (0.5, 0.5, 0.5)
 
 
 def test_a_b_step_whose_packs_held_no_boxes_keeps_its_counts_but_claims_no_f1():
-    rec = step_record(2, [_rank(True, 1, invalid_rollout=3)], {}, 1024)
+    rec = metrics_line(2, [_rank(True, 1, invalid_rollout=3)], StepFacts())
     assert (rec["rollout/n_pred"], rec["rollout/n_gt"], rec["rollout/invalid_rollout"]) == (0, 0, 3)
     assert "rollout/f1" not in rec and "rollout/precision" not in rec
 
@@ -80,9 +80,9 @@ def test_a_b_step_whose_packs_held_no_boxes_keeps_its_counts_but_claims_no_f1():
 def _timed(step: float, fb: float, fb_gpu: float = 0.0, **parts: float) -> RankStats:
     """A rank's stats with a step time, its forward/backward (wall, device) and other parts (``time_<name>``)."""
     r = _rank(False, 2)
-    r["time_step"], r["time_forward_backward"], r["time_forward_backward_gpu"] = step, fb, fb_gpu
+    r.time_step, r.time_forward_backward, r.time_forward_backward_gpu = step, fb, fb_gpu
     for name, value in parts.items():
-        r[f"time_{name}"] = value
+        setattr(r, f"time_{name}", value)
     return r
 
 
@@ -91,7 +91,7 @@ PARTS = {"wait_for_packs": 0.01, "wait_for_a_window": 0.02, "sync_stall": 0.03, 
 
 
 def test_a_cpu_record_counts_wall_forward_backward_as_busy_and_names_the_rest_other():
-    rec = step_record(0, [_timed(1.0, 0.6, **PARTS), _timed(0.9, 0.4, **PARTS)], {}, 1024)
+    rec = metrics_line(0, [_timed(1.0, 0.6, **PARTS), _timed(0.9, 0.4, **PARTS)], StepFacts())
     assert "time/forward_backward_gpu" not in rec and "time/forward_backward_gpu_mean" not in rec  # absent, not 0
     assert rec["time/prepare_inputs"] == 0.05
     assert rec["learner/busy_fraction"] == pytest.approx(0.5)  # (0.6 + 0.4) / 2 over the slowest step, 1.0
@@ -102,7 +102,7 @@ def test_a_cpu_record_counts_wall_forward_backward_as_busy_and_names_the_rest_ot
 def test_a_gpu_record_counts_the_device_forward_backward_where_it_is_longer_than_the_wall_time():
     # rank 0: launching took 0.05 s of wall time, the GPU ran the spans for 0.7 s; rank 1 is launch-bound (wall
     # longer than device): each rank counts the longer of the two
-    rec = step_record(0, [_timed(1.0, 0.05, 0.7, **PARTS), _timed(1.0, 0.3, 0.2, **PARTS)], {}, 1024)
+    rec = metrics_line(0, [_timed(1.0, 0.05, 0.7, **PARTS), _timed(1.0, 0.3, 0.2, **PARTS)], StepFacts())
     assert (rec["time/forward_backward_gpu"], rec["time/forward_backward_gpu_mean"]) == (0.7, pytest.approx(0.45))
     assert rec["time/forward_backward"] == 0.3  # the wall time is reported as measured
     assert rec["learner/busy_fraction"] == pytest.approx((0.7 + 0.3) / 2)  # not (0.05 + 0.3) / 2
@@ -111,7 +111,7 @@ def test_a_gpu_record_counts_the_device_forward_backward_where_it_is_longer_than
 
 def test_time_other_is_clamped_at_zero_where_the_gpu_parts_overlap_and_busy_at_one():
     # the optimizer step's norm read waited for the last backward, which the device time also counts
-    rec = step_record(0, [_timed(1.0, 0.1, 1.2, optimizer_step=0.3)], {}, 1024)
+    rec = metrics_line(0, [_timed(1.0, 0.1, 1.2, optimizer_step=0.3)], StepFacts())
     assert rec["time/other"] == 0.0 and rec["learner/busy_fraction"] == 1.0
 
 
@@ -120,9 +120,9 @@ def test_a_rank_vector_keeps_its_length_and_carries_the_new_times():
     r.trained_vers = [3]
     for ga in (1, 4):
         vector = r.vector(ga)
-        assert len(vector) == len(RANK_FIELDS) + ga  # every rank sends the same length, whatever it trained
-        back = unpack(vector, ga)
-        assert (back["time_forward_backward_gpu"], back["time_prepare_inputs"], back.trained_vers) == (0.5, 0.05, [3])
+        assert len(vector) == len(SCALARS) + len(ROLLOUT_COUNTS) + len(COUNTER_NAMES) + ga  # the same on every rank
+        back = RankStats.from_vector(vector, ga)
+        assert (back.time_forward_backward_gpu, back.time_prepare_inputs, back.trained_vers) == (0.5, 0.05, [3])
 
 
 class _OverlapDetectingFile:

@@ -1,4 +1,4 @@
-"""``sync_mode: overlap`` with 2 real gloo ranks (torchrun), a real rollout server (hf engine), a fake actor per rank.
+"""``weight_sync.mode: overlap`` with 2 real gloo ranks (torchrun), a real rollout server (hf engine), a fake actor per rank.
 
 The learner reaches the server through :class:`SyncProxy`, a slow link that holds each push's first
 bucket until the learner has written another metrics record (or 3 s passed): a push can only commit
@@ -85,7 +85,8 @@ def run(tmp_path_factory, tiny_model_dir, synth_data_dir) -> Run:
     cfg_path = write_config(
         tmp / "cfg.yaml", model_dir=tiny_model_dir, data_dir=synth_data_dir, output_dir=out,
         training={"max_steps": STEPS, "gradient_accumulation_steps": GA, "save_every_steps": SAVE_EVERY},
-        stage2_ab={"channel_b": {"async": {"sync_mode": "overlap", "sync_every_steps": 1, "version_window": WINDOW}}},
+        stage2_ab={"channel_b": {"async": {"version_window": WINDOW}}},
+        weight_sync={"mode": "overlap", "every_steps": 1},
         rollout_matching={"vllm": {"servers": [{"base_url": proxy.url}]}},
         learner={"pack_wait_s": 1.0},
     )

@@ -1,4 +1,4 @@
-"""learner/sync/overlap.py on its own: the snapshot, one push at a time, deadlines, shutdown (one process, no server).
+"""learner/weight_sync/overlap.py on its own: the snapshot, one push at a time, deadlines, shutdown (one process, no server).
 
 The push function is a test double that blocks on an event, so every state of the thread (in flight,
 committed, failed, stuck past its deadline, late) is reached on purpose rather than by timing.
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from learner.sync.overlap import BackgroundPush, WeightSnapshot
+from learner.weight_sync.overlap import BackgroundPush, WeightSnapshot
 
 
 class GatedPush:

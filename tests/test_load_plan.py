@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.tensors import weights as W
+from common.weight_sync import weights as W
 from rollout_server.engines.vllm.fast_loader import FastLoader
 from rollout_server.engines.vllm.load_plan import PlanError, chunk_layouts, record_plan
 from tests.ports import free_port_block

@@ -96,7 +96,7 @@ def test_the_learner_gives_coord_ce_to_channel_a_packs_only(tmp_path, tiny_model
     """Learner.forward_backward picks its LossWeights by channel; the model call is replaced by fixed logits."""
     import learner.rank as rank_mod
     from common.config.load import load_config
-    from learner.metrics import RankStats
+    from learner.step_record import RankStats
     from tests.test_learner_harness import write_config
 
     cfg_path = write_config(tmp_path / "cfg.yaml", model_dir=tiny_model_dir, data_dir=synth_data_dir,
@@ -120,7 +120,7 @@ def test_the_learner_gives_coord_ce_to_channel_a_packs_only(tmp_path, tiny_model
         stats = RankStats()
         learner.forward_backward(inp, norm, stats, channel=channel, sync_grads=True)
         by_channel[channel] = stats
-    assert by_channel["A"]["loss_coord_ce"] > 0
-    assert by_channel["B"]["loss_coord_ce"] == 0.0
-    assert by_channel["A"]["loss_total"] == pytest.approx(by_channel["B"]["loss_total"]
-                                                          + by_channel["A"]["loss_coord_ce"], rel=1e-6)
+    assert by_channel["A"].loss_coord_ce > 0
+    assert by_channel["B"].loss_coord_ce == 0.0
+    assert by_channel["A"].loss_total == pytest.approx(by_channel["B"].loss_total
+                                                       + by_channel["A"].loss_coord_ce, rel=1e-6)

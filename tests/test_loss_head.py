@@ -213,7 +213,7 @@ def test_training_loss_head_reaches_the_learner_and_a_bad_value_names_the_key(tm
                                                                              monkeypatch):
     import learner.rank as rank_mod
     from common.config.load import ConfigError, load_config
-    from learner.metrics import RankStats
+    from learner.step_record import RankStats
     from tests.test_learner_harness import write_config
 
     repo = Path(__file__).resolve().parents[1]
@@ -242,13 +242,13 @@ def test_training_loss_head_reaches_the_learner_and_a_bad_value_names_the_key(tm
     seen = learner.forward_backward(inp, Normaliser(ce_tokens=5, boxes=1), stats, channel="B", sync_grads=True)
     assert heads == ["chunked"] and seen["backward"] == 1
     want = pack_loss(hidden @ weight.T, rows, COORD_IDS, Normaliser(ce_tokens=5, boxes=1), learner.loss_weights["B"])
-    assert stats["loss_total"] == pytest.approx(want.total, rel=1e-5)
+    assert stats.loss_total == pytest.approx(want.total, rel=1e-5)
     assert hidden_p.grad is not None and weight_p.grad is not None
 
 
 def test_a_real_learner_step_with_the_chunked_head_matches_the_plain_one(tmp_path, tiny_model_dir, synth_data_dir):
     """The learner's own pieces (a Channel-A window of real packs, Learner.forward_backward) under both heads."""
-    from learner.metrics import RankStats
+    from learner.step_record import RankStats
     from tests.test_pack_admission import _fresh_learner
 
     lrn = _fresh_learner(tmp_path, tiny_model_dir, synth_data_dir, ["training.loss_head=chunked"])
@@ -265,9 +265,9 @@ def test_a_real_learner_step_with_the_chunked_head_matches_the_plain_one(tmp_pat
             for inp in inputs:
                 seen = lrn.forward_backward(inp, norm, stats, channel="A", sync_grads=True)
                 assert seen == {"forward": 1, "backward": 1}
-            runs[head] = (stats["loss_total"], {n: p.grad.clone() for n, p in lrn.model.named_parameters()
+            runs[head] = (stats.loss_total, {n: p.grad.clone() for n, p in lrn.model.named_parameters()
                                                  if p.grad is not None})
-            lrn.optimizer.zero_grad(set_to_none=True)
+            lrn.optimizer_step.optimizer.zero_grad(set_to_none=True)
     finally:
         lrn.close()
     (chunked, g_chunked), (plain, g_plain) = runs["chunked"], runs["plain"]

@@ -39,12 +39,13 @@ def _config(tmp_path: Path, model_dir: Path, data_dir: Path) -> tuple[Path, dict
     # a sync every 2 steps, packs released at half fill.
     cfg["stage2_ab"]["schedule"]["b_ratio"] = 0.5
     cfg["stage2_ab"]["channel_b"]["rollout_decode_batch_size"] = 2
-    cfg["stage2_ab"]["channel_b"]["async"].update(sync_mode="blocking", sync_every_steps=2, version_window=2)
+    cfg["stage2_ab"]["channel_b"]["async"].update(version_window=2)
+    cfg["weight_sync"].update(mode="blocking", every_steps=2)
     cfg["training"]["packing_min_fill_ratio"] = 0.5
     # Two nodes of one rank each; B steps must happen in a short run: a wanted B step may wait for its packs.
     cfg["learner"].update(nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{rdzv}",
                           node_hosts=["127.0.0.1", "127.0.0.1"], pack_wait_s=20.0, collective_timeout_s=120.0)
-    cfg["rollout_matching"]["vllm"]["sync"]["timeout_s"] = 60.0
+    cfg["weight_sync"]["timeout_s"] = 60.0
     path = tmp_path / "two_nodes.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path, cfg

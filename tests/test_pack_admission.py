@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -148,9 +147,10 @@ def params(lrn) -> dict:
 
 def a_step(lrn, spoil: bool) -> None:
     """One Channel-A optimizer step through the learner's own pieces; ``spoil``: NaN loss weights in its first pack."""
-    from learner.metrics import RankStats
+    from learner.step_record import StepRecord
 
-    stats, facts, t0 = RankStats(), {}, time.monotonic()
+    record = StepRecord()
+    stats = record.stats
     arrays = [dict(a) for a in lrn.take_a_window(stats).arrays]
     if spoil:
         arrays[0]["weights"] = np.full_like(arrays[0]["weights"], np.nan)
@@ -158,7 +158,7 @@ def a_step(lrn, spoil: bool) -> None:
     norm = lrn.global_normaliser(inputs)
     for i, inp in enumerate(inputs):
         lrn.forward_backward(inp, norm, stats, channel="A", sync_grads=i == len(inputs) - 1)
-    lrn.finish_step(stats, facts, False, t0)
+    lrn.finish_step(record)
 
 
 def test_the_queue_takes_its_limits_from_the_model(learner):
@@ -168,7 +168,7 @@ def test_the_queue_takes_its_limits_from_the_model(learner):
     assert lim.image_token_id == learner.hf_model.config.image_token_id and lim.merge_size == 2
     assert lim.largest_frame_bytes() <= max_frame_bytes(learner.cfg.transport, 768)  # checked at setup
     from common.packing.segment import pack_rejection
-    from learner.metrics import RankStats
+    from learner.step_record import RankStats
 
     window = learner.take_a_window(RankStats())  # real encoded packs (images, mRoPE positions) are admitted
     assert [pack_rejection(a, p.segment_meta(), lim) for a, p in zip(window.arrays, window.packs)] == [None] * 2
@@ -180,7 +180,7 @@ def test_a_nan_weighted_pack_skips_the_step_leaves_the_weights_and_is_counted(le
     a_step(learner, spoil=True)
     after = params(learner)
     assert all(torch_equal(before[n], after[n]) for n in before), "a non-finite step changed the weights"
-    assert learner.totals["nonfinite_skipped"] == 1 and learner.totals["optimizer_updates"] == 0
+    assert learner.counters.totals.nonfinite_skipped == 1 and learner.counters.totals.optimizer_updates == 0
     record = json.loads((learner.out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["train/nonfinite_skipped"] == 1 and record["learner/nonfinite_skipped_total"] == 1
     assert record["run_id"] == learner.run_id and len(learner.run_id) == 32
@@ -194,7 +194,7 @@ def test_a_nan_weighted_pack_skips_the_step_leaves_the_weights_and_is_counted(le
     assert json.loads((ckpt / "trainer_state.json").read_text())["run_id"] == learner.run_id
 
     a_step(learner, spoil=False)  # the next good step updates as usual
-    assert learner.totals["optimizer_updates"] == 1
+    assert learner.counters.totals.optimizer_updates == 1
     assert any(not torch_equal(after[n], p) for n, p in params(learner).items())
 
 
@@ -241,8 +241,8 @@ def test_the_learner_time_budget_leaves_the_processs_first_step_out(tmp_path, ti
         lrn.open_queue()
         lrn.setup()
         a_step(lrn, spoil=False)
-        assert lrn.step == 1 and lrn.train_seconds == 0.0
+        assert lrn.step == 1 and lrn.budget.train_seconds == 0.0
         a_step(lrn, spoil=False)
-        assert lrn.step == 2 and lrn.train_seconds > 0.0
+        assert lrn.step == 2 and lrn.budget.train_seconds > 0.0
     finally:
         lrn.close()

@@ -19,11 +19,11 @@ from pydantic import BaseModel, ValidationError
 
 from common.wire import codec as W
 from common.wire import http as P
-from common.wire import sync as S
+from common.weight_sync import messages as S
 from common.packing.segment import Pack
 from tests.factories import make_segment
 
-# Every HTTP message model: the rollout server's own (common/wire/http.py) and the /sync/* ones (common/wire/sync.py).
+# Every HTTP message model: the rollout server's own (common/wire/http.py) and the /sync/* ones (common/weight_sync/messages.py).
 HTTP_MODELS = sorted(
     (
         obj

@@ -124,10 +124,10 @@ def test_an_hf_server_serves_the_tiny_qwen3_vl_and_a_synced_model_decodes_as_the
         tiny_qwen3_model_dir, encoder, records):
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors import weights as W
-    from learner.sync import cast_stream, plan
-    from learner.sync.boundary import named_weights
-    from learner.sync.http import HttpWeightSender
+    from common.weight_sync import weights as W
+    from learner.weight_sync.base import cast_stream, plan
+    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.http import HttpWeightSender
     from tests.server_proc import rollout_server_process
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_model_dir, dtype=torch.float32).eval()
@@ -200,8 +200,8 @@ def test_the_vllm_engines_manifest_is_what_the_learner_sends_under_vllms_qwen3_v
     accepted only if the learner's names and shapes equal it. Checked here without vLLM for Qwen3-VL."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from common.tensors import weights as W
-    from learner.sync.boundary import named_weights
+    from common.weight_sync import weights as W
+    from learner.weight_sync.boundary import named_weights
 
     with torch.device("meta"):
         meta = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(tiny_qwen3_model_dir))

@@ -14,7 +14,7 @@ from common.packing.segment import Pack
 from learner.loss import LossWeights, Normaliser, pack_loss
 from learner.model import build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs
 from learner.recipe import group_of, hf_name
-from learner.sync.boundary import named_weights
+from learner.weight_sync.boundary import named_weights
 from tests.test_loss import image_segment
 
 CPU = torch.device("cpu")
@@ -176,9 +176,9 @@ def test_merged_weights_equal_peft_merge_under_the_served_names_and_leave_traini
 @pytest.mark.slow
 def test_a_merged_sync_lands_weights_whose_served_digest_equals_the_learners_merged_weights(tiny_model_dir):
     """A real hf server on loopback; the learner's sync source (named_weights) of a trained DoRA policy."""
-    from common.tensors import weights as W
-    from learner.sync import cast_stream, plan
-    from learner.sync.http import HttpWeightSender
+    from common.weight_sync import weights as W
+    from learner.weight_sync.base import cast_stream, plan
+    from learner.weight_sync.http import HttpWeightSender
     from tests.server_proc import rollout_server_process
 
     token = "recipe-token"
@@ -205,7 +205,7 @@ def served_digest(srv, token):
     """tests/test_weights_digest.py's served_digest with this test's token."""
     import httpx
 
-    from common.wire.sync import SyncDigestResponse
+    from common.weight_sync.messages import SyncDigestResponse
 
     r = httpx.get(srv.url + "/sync/digest", headers={"Authorization": f"Bearer {token}"}, timeout=60)
     assert r.status_code == 200, r.text

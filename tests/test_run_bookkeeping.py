@@ -42,7 +42,7 @@ def run(tmp_path_factory, tiny_model_dir, synth_data_dir):
         training={"max_steps": STEPS, "save_every_steps": 1, "save_total_limit": 2, "report_to": REPORT_TO,
                   "gradient_accumulation_steps": 1},
         stage2_ab={"schedule": {"b_ratio": 0}, "coord_ce_weight": 1.0},
-        rollout_matching={"vllm": {"sync": {"timeout_s": 5}, "timeout_s": 5}},
+        weight_sync={"timeout_s": 5}, rollout_matching={"vllm": {"timeout_s": 5}},
     )
     out = {}
     for name, steps, extra in (("first", STEPS, []), ("resumed", STEPS + 2, ["training.resume=auto"])):

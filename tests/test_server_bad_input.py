@@ -23,12 +23,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from common.wire.sync import BUCKET_HEADER, SyncBucketHeader
+from common.weight_sync.messages import BUCKET_HEADER, SyncBucketHeader
 from common.wire.http import ErrorResponse
-from common.tensors import packed as P
-from common.tensors import weights as W
-from learner.sync import SyncError
-from learner.sync.http import HttpWeightSender
+from common.weight_sync import packed as P
+from common.weight_sync import weights as W
+from learner.weight_sync.session import SyncError
+from learner.weight_sync.http import HttpWeightSender
 from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process
 
@@ -46,7 +46,7 @@ GOOD = {"items": [GOOD_ITEM], "sampling": {"max_tokens": 2, "temperature": 0}}
 def server(tiny_model_dir):
     with rollout_server_process(tiny_model_dir, [
             f"rollout_server.auth_token={TOKEN}", f"rollout_server.max_batch_items={MAX_ITEMS}",
-            "rollout_server.max_request_mb=1", "rollout_server.max_bucket_mb=2", "rollout_matching.vllm.sync.bucket_mb=2",
+            "rollout_server.max_request_mb=1", "rollout_server.max_bucket_mb=2", "weight_sync.bucket_mb=2",
             f"rollout_server.body_read_timeout_s={READ_GAP_S}", "rollout_server.max_request_megapixels=1",
             "rollout_server.max_image_megapixels=2",
             f"rollout_server.max_request_tokens={TOKEN_BUDGET}"]) as srv:
@@ -357,7 +357,7 @@ def test_commit_min_ver_out_of_range_is_refused_and_ver_stays(server, http):
     err = error_of(r, 422)  # fails validation: the session ends with it (issue 29), the fence reopens
     assert err.field == "min_ver" and "sync session aborted" in err.message
     assert http.get("/health").json()["sync_state"] == "idle"
-    from common.wire.sync import MAX_VER_JUMP
+    from common.weight_sync.messages import MAX_VER_JUMP
 
     session = _begun_session(server)
 
@@ -533,7 +533,7 @@ def _bounded(body):
     """Keep each case short: a valid max_tokens stays a valid one, but at most 4 (length is what the token
     budget and the disconnect test are for), and a min_ver the server could still reach is 0 (waiting for it
     is by design, up to admission_timeout_s); everything else is sent as drawn."""
-    from common.wire.sync import MAX_VER_JUMP
+    from common.weight_sync.messages import MAX_VER_JUMP
 
     if isinstance(body, dict):
         for key in ("max_tokens", "max_completion_tokens"):

@@ -51,8 +51,9 @@ def run(tmp_path_factory, tiny_model_dir, synth_data_dir):
     cfg_path = write_config(
         tmp / "rejoin.yaml", model_dir=tiny_model_dir, data_dir=synth_data_dir, output_dir=out, nproc=1,
         training={"max_steps": MAX_STEPS, "trace_micro_steps": False, "pack_max_wait_s": 0.5},
-        stage2_ab={"channel_b": {"async": {"version_window": 1, "sync_every_steps": 1, "sync_mode": "blocking"}}},
-        rollout_matching={"vllm": {"sync": {"timeout_s": 10}, "timeout_s": 60}},
+        stage2_ab={"channel_b": {"async": {"version_window": 1}}},
+        weight_sync={"every_steps": 1, "mode": "blocking", "timeout_s": 10},
+        rollout_matching={"vllm": {"timeout_s": 60}},
         actor={"server_backoff_max_s": 1.0, "metrics_every_s": 1.0},
         learner={"pack_wait_s": 4.0},
     )

@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from common.wire.http import ErrorResponse
-from learner.sync.http import HttpWeightSender
+from learner.weight_sync.http import HttpWeightSender
 from rollout_server.app import build_app
 from tests.ports import free_port_block
 from tests.server_proc import rollout_server_process

@@ -87,13 +87,13 @@ def test_sync_stall_per_sync_and_its_share_of_training_time_blocking_and_overlap
 
 def test_busy_is_the_records_busy_time_over_the_step_time_so_a_gpu_learners_device_time_counts():
     from launcher.summary import summarize
-    from learner.metrics import RankStats, step_record
+    from learner.metrics import metrics_line
+    from learner.step_record import RankStats, StepFacts
 
     def gpu_record(step: int, step_s: float, fb_wall: float, fb_gpu: float) -> dict:
-        r = RankStats()
-        r["time_step"], r["time_forward_backward"], r["time_forward_backward_gpu"] = step_s, fb_wall, fb_gpu
-        r["time_prepare_inputs"], r["time_optimizer_step"] = 0.1, 0.2
-        return step_record(step, [r], {}, 1024)
+        r = RankStats(time_step=step_s, time_forward_backward=fb_wall, time_forward_backward_gpu=fb_gpu,
+                      time_prepare_inputs=0.1, time_optimizer_step=0.2)
+        return metrics_line(step, [r], StepFacts())
 
     # launched in 0.05 s of wall time, run for 0.6 s on the GPU; a 3 s sync step is weighed by its length
     recs = [gpu_record(0, 1.0, 0.05, 0.6), gpu_record(1, 3.0, 0.05, 0.6)]

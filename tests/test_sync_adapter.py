@@ -1,5 +1,5 @@
 """What a weight sync leaves out: frozen modules stay on the server (declared at /sync/init, their bytes counted),
-and ``model.adapter.sync: adapter`` pushes only the adapter, merged on the hf engine by peft (learner/sync/base.py,
+and ``model.adapter.sync: adapter`` pushes only the adapter, merged on the hf engine by peft (learner/weight_sync/base.py,
 rollout_server/engines/adapter_merge.py). Real hf servers on loopback; the digests compare every element of the
 complete served model."""
 
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from common.config.load import ConfigError, load_config
-from common.tensors import weights as W
+from common.weight_sync import weights as W
 from learner.recipe import adapter_push, frozen_names
-from learner.sync import SyncError, cast_stream, plan
-from learner.sync.boundary import named_weights
-from learner.sync.http import HttpWeightSender
+from learner.weight_sync.session import SyncError
+from learner.weight_sync.base import cast_stream, plan
+from learner.weight_sync.boundary import named_weights
+from learner.weight_sync.http import HttpWeightSender
 from tests.server_proc import rollout_server_process
 from tests.test_recipe import dora, policy, served_digest, train_steps, training
 
@@ -139,11 +140,11 @@ def test_adapter_sync_with_the_vllm_engine_is_refused_at_load_naming_the_key_and
 
 
 def test_after_a_server_refuses_a_push_that_kept_frozen_weights_every_later_push_to_it_is_full():
-    """learner/sync/boundary.py: a commit refused for its fingerprint after a skip / adapter push (the server's copy
+    """learner/weight_sync/boundary.py: a commit refused for its fingerprint after a skip / adapter push (the server's copy
     is not the learner's) switches that server to full pushes; the learner's training goes on either way."""
     from types import SimpleNamespace
 
-    from learner.sync.boundary import WeightSync
+    from learner.weight_sync.boundary import WeightSync
 
     cfg = load_config("configs/demo_cpu_qwen3_dora.yaml", [])
     sync = WeightSync(cfg, SimpleNamespace(is_main=True, rank=0))

@@ -64,8 +64,8 @@ def _worker(args: list[str]) -> None:
             servers = ",".join(f"{{base_url: '{u}'}}" for u in urls)
             return load_config(REPO / "configs/demo_cpu.yaml", [
                 f"model.path={a.model}", f"rollout_matching.vllm.servers=[{servers}]", "learner.parallel=fsdp",
-                f"rollout_matching.vllm.sync.transport={transport}", "rollout_matching.vllm.sync.timeout_s=30",
-                "rollout_matching.vllm.sync.bucket_mb=1", f"stage2_ab.channel_b.async.sync_mode={mode}",
+                f"weight_sync.transport={transport}", "weight_sync.timeout_s=30",
+                "weight_sync.bucket_mb=1", f"weight_sync.mode={mode}",
                 f"learner.fsdp.cpu_offload={str(a.offload).lower()}", "learner.collective_timeout_s=120",
                 f"learner.nproc_per_node={dist.world_size}", *ADAPTER_RECIPE * (a.scenario == "adapter")],
                 world_size=dist.world_size)
@@ -119,7 +119,7 @@ def _served(url: str) -> dict:
     """The server's ver and exact digest (rank 0 only)."""
     import httpx
 
-    from common.wire.sync import SyncDigestResponse
+    from common.weight_sync.messages import SyncDigestResponse
 
     r = httpx.get(url + "/sync/digest", timeout=60)
     r.raise_for_status()
@@ -131,9 +131,9 @@ def _expected(model, dist, url: str) -> dict | None:
     """Every rank (a collective): torch's full state dict; rank 0 digests it as the server would hold it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from common.tensors import weights as W
-    from learner.sync import cast_stream, plan
-    from learner.sync.control import SyncClient
+    from common.weight_sync import weights as W
+    from learner.weight_sync.base import cast_stream, plan
+    from learner.weight_sync.session import SyncClient
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not dist.is_main:
@@ -151,7 +151,7 @@ def _expected(model, dist, url: str) -> dict | None:
 
 def _land(a, dist, model, trainer, config, result) -> None:
     """Blocking pushes over http, ipc and nccl (gloo on CPU), each after a step; then one overlap push."""
-    from learner.sync.boundary import WeightSync
+    from learner.weight_sync.boundary import WeightSync
 
     url, ver, step = a.url[0], 0, 0
     for transport in a.transports.split(","):
@@ -191,7 +191,7 @@ def _land(a, dist, model, trainer, config, result) -> None:
 def _fail(a, dist, model, trainer, config, result) -> None:
     """A bucket the server refuses mid-push (http: 413), then a server killed after the fence while the NCCL
     sender's thread gathers and broadcasts (gloo on CPU; the next server gets an empty plan); every rank returns."""
-    from learner.sync.boundary import WeightSync
+    from learner.weight_sync.boundary import WeightSync
 
     refusing, doomed = a.url
     trainer.step()
@@ -215,11 +215,11 @@ def _fail(a, dist, model, trainer, config, result) -> None:
         sync.close()
         import gc
 
-        from common.tensors.weights import TorchTransferGroup  # released at once, not at a random collection later
+        from common.weight_sync.weights import TorchTransferGroup  # released at once, not at a random collection later
         result[name]["groups_alive"] = sum(isinstance(o, TorchTransferGroup) for o in gc.get_objects())
     if dist.is_main:  # the refusal was mid-push: the first bucket over the server's 1 MB cap is not the first
-        from common.tensors import packed as P
-        from learner.sync.control import SyncClient
+        from common.weight_sync import packed as P
+        from learner.weight_sync.session import SyncClient
 
         client = SyncClient(refusing, timeout_s=30)
         session = client.open(1 << 20)
@@ -242,10 +242,10 @@ def _expected_merged(model, dist, cfg, model_dir: str, url: str) -> dict | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors import weights as W
+    from common.weight_sync import weights as W
     from learner.recipe import apply_recipe, hf_name
-    from learner.sync import cast_stream, plan
-    from learner.sync.control import SyncClient
+    from learner.weight_sync.base import cast_stream, plan
+    from learner.weight_sync.session import SyncClient
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not dist.is_main:
@@ -273,7 +273,7 @@ def _expected_merged(model, dist, cfg, model_dir: str, url: str) -> dict | None:
 def _adapter(a, dist, model, trainer, config, result) -> None:
     """A DoRA policy sharded by FSDP2, ``model.adapter.sync: merged``: a blocking push after a step, then an overlap
     push whose snapshot (gathered and merged on every boundary's ranks) must land although training moves on."""
-    from learner.sync.boundary import WeightSync
+    from learner.weight_sync.boundary import WeightSync
 
     url, step = a.url[0], 1
     frozen = {n: p.detach().to_local().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -318,8 +318,8 @@ def test_the_running_fingerprint_equals_the_one_shot_fingerprint_of_the_cast_wei
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from common.tensors import weights as W
-    from learner.sync.sharded import RunningFingerprint
+    from common.weight_sync import weights as W
+    from learner.weight_sync.sharded import RunningFingerprint
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
@@ -395,7 +395,7 @@ def test_a_push_failing_mid_way_leaves_both_ranks_alive_on_the_old_ver(tiny_mode
 
     doomed = start_server(tiny_model_dir, [])
     try:
-        cap = ["rollout_server.max_bucket_mb=1", "rollout_matching.vllm.sync.bucket_mb=1"]  # bodies over 1 MB: 413
+        cap = ["rollout_server.max_bucket_mb=1", "weight_sync.bucket_mb=1"]  # bodies over 1 MB: 413
         with rollout_server_process(tiny_model_dir, cap) as refusing:
             wait_healthy(doomed)
             t0 = time.monotonic()

@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from common.wire.http import ErrorResponse
-from common.wire.sync import SharedBuffer, SyncDigestResponse, SyncIpcRequest
-from common.tensors import packed as P
-from common.tensors import weights as W
-from common.tensors.shared import SHM_DIR, SendBuffer
-from learner.sync import SyncError, auto_transport, cast_stream, make_sender, plan
-from learner.sync.ipc import IpcWeightSender
+from common.weight_sync.messages import SharedBuffer, SyncDigestResponse, SyncIpcRequest
+from common.weight_sync import packed as P
+from common.weight_sync import weights as W
+from common.weight_sync.shared import SHM_DIR, SendBuffer
+from learner.weight_sync.session import SyncError
+from learner.weight_sync.transport import auto_transport, make_sender
+from learner.weight_sync.base import cast_stream, plan
+from learner.weight_sync.ipc import IpcWeightSender
 from tests.server_proc import rollout_server_process
 
 TOKEN = "ipc-test-token"
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux 
 def served(tiny_model_dir):
     from transformers import AutoModelForImageTextToText
 
-    from learner.sync.boundary import named_weights
+    from learner.weight_sync.boundary import named_weights
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     base = {n: t.clone() for n, t in named_weights(model)}

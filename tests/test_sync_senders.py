@@ -1,4 +1,4 @@
-"""``learner.sync.make_sender``: which transport a server gets, and the one interface every sender keeps."""
+"""``learner.weight_sync.transport.make_sender``: which transport a server gets, and the one interface every sender keeps."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import inspect
 import pytest
 import torch
 
-from learner.sync import PushSender, WeightSender, make_sender
-from learner.sync.http import HttpWeightSender
-from learner.sync.ipc import IpcWeightSender
-from learner.sync.nccl import NcclWeightSender
+from learner.weight_sync.base import PushSender, WeightSender
+
+from learner.weight_sync.transport import make_sender
+from learner.weight_sync.http import HttpWeightSender
+from learner.weight_sync.ipc import IpcWeightSender
+from learner.weight_sync.nccl import NcclWeightSender
 
 URL = "http://127.0.0.1:9"  # discard port: nothing may be contacted to build a sender
 
@@ -36,7 +38,7 @@ def test_auto_without_cuda_is_http_and_asks_the_server_nothing():
 
 
 def test_an_unknown_transport_is_refused_naming_the_config_key():
-    with pytest.raises(ValueError, match="rollout_matching.vllm.sync.transport"):
+    with pytest.raises(ValueError, match="weight_sync.transport"):
         make_sender(URL, "carrier-pigeon")
 
 

@@ -1,4 +1,4 @@
-"""The HTTP sync's bucket stream (``rollout_server/sync_stream.py`` + ``learner/sync/stream.py``) on a real server.
+"""The HTTP sync's bucket stream (``rollout_server/weight_sync/stream.py`` + ``learner/weight_sync/stream.py``) on a real server.
 
 Buckets travel on a raw connection to the server's own port (opened with ``STREAM_MAGIC``) when the
 session offers a ``data_token``; every other connection stays HTTP; through an HTTP-only proxy the
@@ -18,10 +18,11 @@ import httpx
 import pytest
 import torch
 
-from common.wire.sync import STREAM_MAGIC, SyncBucketHeader
-from common.tensors import weights as W
-from learner.sync import SyncError, cast_stream, plan
-from learner.sync.http import HttpWeightSender
+from common.weight_sync.messages import STREAM_MAGIC, SyncBucketHeader
+from common.weight_sync import weights as W
+from learner.weight_sync.session import SyncError
+from learner.weight_sync.base import cast_stream, plan
+from learner.weight_sync.http import HttpWeightSender
 from tests.server_proc import rollout_server_process
 from tests.test_learner_harness import SyncProxy
 
@@ -32,7 +33,7 @@ IDLE_S = 2.0
 def served(tiny_model_dir):
     from transformers import AutoModelForImageTextToText
 
-    from learner.sync.boundary import named_weights
+    from learner.weight_sync.boundary import named_weights
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     base = {n: t.clone() for n, t in named_weights(model)}

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from launcher.summary import format_summary, print_summary
-from learner.metrics import RankStats, step_record
+from learner.metrics import metrics_line
+from learner.run_counters import Totals
+from learner.step_record import RankStats, RunFacts, StepFacts
 from learner.throughput import Throughput, mfu, non_embedding_lm_params
 
 
@@ -30,31 +32,30 @@ def test_the_peak_is_measured_here_unless_the_config_gives_it(tiny_model_dir):
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     cpu = torch.device("cpu")
     given = Throughput.of(model, cpu, torch.float32, world_size=2, configured_peak=989.0)
-    assert (given.peak_source, given.facts()["throughput/peak_tflops"]) == ("config", 2 * 989.0)
+    assert (given.peak_source, given.entries()["throughput/peak_tflops"]) == ("config", 2 * 989.0)
     measured = Throughput.of(model, cpu, torch.float32, world_size=1, configured_peak=None)
     assert measured.peak_source == "measured" and measured.peak_tflops_per_rank > 0
 
 
-def _record(tokens: int, step_s: float, facts: dict) -> dict:
-    stats = RankStats()
-    stats["tokens"], stats["packs"], stats["time_step"] = tokens, 1, step_s
-    return step_record(0, [stats], facts, packing_length=12000)
+def _record(tokens: int, step_s: float, throughput: Throughput | None) -> dict:
+    stats = RankStats(tokens=tokens, packs=1, time_step=step_s)
+    run = RunFacts(global_step=1, parallel="ddp", ver_current=0, b_ratio_realized=0.0, b_ratio_realized_cumulative=0.0,
+                   sync_counts={}, totals=Totals(), throughput=throughput)
+    return metrics_line(0, [stats], StepFacts(run=run))
 
 
 def test_the_step_record_states_mfu_from_its_own_tokens_per_second():
-    facts = {"throughput/lm_params_non_embedding": 2_775_000_000, "throughput/peak_tflops": 790.0,
-             "throughput/peak_source": "measured"}
-    rec = _record(tokens=12000, step_s=0.5, facts=facts)
+    rec = _record(tokens=12000, step_s=0.5, throughput=Throughput(2_775_000_000, 790.0, 1, "measured"))
     assert rec["throughput/tokens_per_s"] == pytest.approx(24000.0)
     assert rec["throughput/mfu"] == pytest.approx(6 * 2.775e9 * 24000 / 790e12)  # ~0.506
-    assert "throughput/mfu" not in _record(tokens=12000, step_s=0.5, facts={})  # no peak known: no MFU claimed
+    assert rec["throughput/peak_tflops"] == 790.0 and rec["throughput/lm_params_non_embedding"] == 2_775_000_000
+    assert "throughput/mfu" not in _record(tokens=12000, step_s=0.5, throughput=None)  # no peak known: no MFU claimed
     assert mfu(1.0, 1, 0.0) == 0.0
 
 
 def test_the_summary_prints_the_median_tokens_per_second_and_mfu_leaving_the_start_up_step_out(tmp_path, capsys):
-    facts = {"throughput/lm_params_non_embedding": 1_000_000_000, "throughput/peak_tflops": 100.0,
-             "throughput/peak_source": "measured"}
-    records = [{**_record(tokens=1000, step_s=s, facts=facts), "step": i} for i, s in enumerate([20.0, 1.0, 2.0, 4.0])]
+    throughput = Throughput(1_000_000_000, 50.0, 2, "measured")  # 100 TFLOP/s over both ranks
+    records = [{**_record(tokens=1000, step_s=s, throughput=throughput), "step": i} for i, s in enumerate([20.0, 1.0, 2.0, 4.0])]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = print_summary(tmp_path)
     out = capsys.readouterr().out

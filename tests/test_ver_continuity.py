@@ -10,8 +10,8 @@ import pytest
 
 from common.config.load import load_config
 from learner.distributed import Dist
-from learner.sync.boundary import WeightSync
-from learner.sync.http import HttpWeightSender
+from learner.weight_sync.boundary import WeightSync
+from learner.weight_sync.http import HttpWeightSender
 from tests.server_proc import REPO, rollout_server_process
 
 
@@ -26,7 +26,7 @@ def setup(tiny_model_dir, synth_data_dir):
     with rollout_server_process(tiny_model_dir, []) as srv:
         cfg = load_config(REPO / "configs/demo_cpu.yaml", [
             f"model.path={tiny_model_dir}", f"rollout_matching.vllm.servers=[{{base_url: '{srv.url}'}}]",
-            "rollout_matching.vllm.sync.timeout_s=60"])
+            "weight_sync.timeout_s=60"])
         model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
         yield srv, WeightSync(cfg, Dist(backend="gloo")), model
 
@@ -48,7 +48,7 @@ def test_a_learner_behind_the_server_continues_from_the_server_ver(setup):
 def test_a_plain_push_without_a_floor_advances_by_exactly_one(setup):
     srv, sync, model = setup
     before = server_ver(srv.url)
-    from learner.sync.boundary import named_weights
+    from learner.weight_sync.boundary import named_weights
 
     report = HttpWeightSender(srv.url, timeout_s=60).push(named_weights(model), bucket_bytes=4 << 20)
     assert report.ver == before + 1 == server_ver(srv.url)

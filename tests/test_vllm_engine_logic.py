@@ -52,7 +52,7 @@ def _engine(workers, chunks_per_sync):
 
 
 def _header(weights):
-    from common.wire.sync import SyncBucketHeader
+    from common.weight_sync.messages import SyncBucketHeader
 
     lay = layout_of(weights)
     return SyncBucketHeader(session="s", index=0, names=lay["names"], dtypes=lay["dtypes"], shapes=lay["shapes"],
@@ -278,8 +278,8 @@ def test_http_buckets_are_staged_in_shared_memory_and_loaded_by_the_workers_only
 
     import pytest
 
-    from common.wire.sync import TensorSpec
-    from common.tensors.shared import SHM_DIR
+    from common.weight_sync.messages import TensorSpec
+    from common.weight_sync.shared import SHM_DIR
 
     if not os.path.isdir(SHM_DIR):
         pytest.skip("needs /dev/shm")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.tensors import weights as W
+from common.weight_sync import weights as W
 from rollout_server.engines.vllm.extension import TandemWorkerExtension
 from rollout_server.engines.vllm.load_plan import stream_key
 from tests.test_load_plan import VllmLike, hf_weights, native, same, stream
@@ -92,7 +92,7 @@ def test_running_out_of_memory_for_the_buffers_refuses_with_the_keys_that_fix_it
     info = w.tandem_prepare(layout_of(hf_weights(1), bucket_bytes=600))
     assert not info["ok"] and not info["transient"], info
     assert "2 receive buffers of 0 MB" in info["reason"]  # 600-byte chunks here
-    for key in ("rollout_matching.vllm.sync.bucket_mb", "rollout_server.gpu_memory_utilization",
+    for key in ("weight_sync.bucket_mb", "rollout_server.gpu_memory_utilization",
                 "rollout_server.weight_load: native"):
         assert key in info["reason"], info["reason"]
     assert w._tandem_fast_loader().plan is None  # nothing half-built is kept

@@ -1,4 +1,4 @@
-"""The exact weights digest: ``common.tensors.weights.exact_digest`` and ``GET /sync/digest``.
+"""The exact weights digest: ``common.weight_sync.weights.exact_digest`` and ``GET /sync/digest``.
 
 Unit tests pin the definition (every element, exact integers, order- and layout-aware, independent
 of chunking); the end-to-end tests run a real hf server on loopback, push weights over HTTP with the
@@ -15,11 +15,11 @@ import torch
 from fastapi.testclient import TestClient
 
 from common.wire.http import ErrorResponse
-from common.wire.sync import SyncDigestResponse
-from common.tensors import weights as W
+from common.weight_sync.messages import SyncDigestResponse
+from common.weight_sync import weights as W
 from rollout_server.app import build_app
-from learner.sync import cast_stream, plan
-from learner.sync.http import HttpWeightSender
+from learner.weight_sync.base import cast_stream, plan
+from learner.weight_sync.http import HttpWeightSender
 from tests.server_proc import rollout_server_process
 from tests.stub_engine import StubEngine
 
@@ -154,7 +154,7 @@ def served(tiny_model_dir):
     """(server, sync client, the init info, the checkpoint's weights as the learner holds them)."""
     from transformers import AutoModelForImageTextToText
 
-    from learner.sync.boundary import named_weights
+    from learner.weight_sync.boundary import named_weights
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     base = {n: t.clone() for n, t in named_weights(model)}

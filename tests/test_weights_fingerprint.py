@@ -1,4 +1,4 @@
-"""``common.tensors.weights.fingerprint``: the sampled weights hash both sides of a sync compare.
+"""``common.weight_sync.weights.fingerprint``: the sampled weights hash both sides of a sync compare.
 
 Its definition is pinned by a tensor-by-tensor reference (the hashed bytes must not change: a
 learner and a server of different tandem versions compare fingerprints), and its sensitivity by
@@ -12,7 +12,7 @@ import hashlib
 import pytest
 import torch
 
-from common.tensors import weights as W
+from common.weight_sync import weights as W
 
 
 def reference(named, dtypes=None) -> str:

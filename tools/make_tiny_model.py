@@ -1,6 +1,6 @@
 """Build a Qwen2.5-VL or Qwen3-VL model directory from scratch: config, random weights, tokenizer, processor.
 
-    python tools/make_tiny_model.py --out artifacts/tiny-model [--family qwen2.5-vl] [--seed 0] [--preset tiny] [--force]
+    python tools/make_tiny_model.py --out artifacts/tiny-model [--family qwen2.5-vl] [--seed 0] [--preset tiny]
 
 ``--family qwen3-vl`` builds ``Qwen3VLForConditionalGeneration`` instead, with the same tokenizer and chat
 template; its presets and config are in ``tools/qwen3_vl_family.py``. What follows describes qwen2.5-vl.

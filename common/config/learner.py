@@ -42,7 +42,7 @@ class LearnerConfig:
         "Allow learner.gpus to overlap rollout_server.gpus: the learner and the rollout server (hf engine, or "
         "vLLM with a low gpu_memory_utilization) share those GPUs, e.g. a one-GPU box. They then compete for "
         "the GPU's memory and compute; NCCL weight sync between two processes on one GPU fails, so use "
-        "rollout_matching.vllm.sync.transport: http. With a vLLM server the launcher refuses, at start, a learner whose "
+        "weight_sync.transport: http. With a vLLM server the launcher refuses, at start, a learner whose "
         "estimated memory does not fit beside the server's gpu_memory_utilization share (launcher/gpu_budget.py).",
         False,
     )

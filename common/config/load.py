@@ -2,8 +2,8 @@
 
 The schema (one dataclass per section, documented field by field) is :mod:`common.config.schema`; a section
 with rules of its own keeps its dataclass and its rules in one module beside it (``common/config/server.py``,
-``data.py``, ``learner.py``, ``run.py``, ``recipe.py``). Load with :func:`load_config` (YAML + OmegaConf dotted
-``key=value`` overrides). Validation runs once and reports **every** problem together in one
+``data.py``, ``learner.py``, ``run.py``, ``recipe.py``, ``weight_sync.py``). Load with :func:`load_config` (YAML +
+OmegaConf dotted ``key=value`` overrides). Validation runs once and reports **every** problem together in one
 :class:`ConfigError`, each naming the dotted key, the offending value and the fix.
 ``docs/config.md`` is generated from the field docs (``python -m common.config.docs --markdown``,
 :mod:`common.config.docs`).
@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.config.schema import ServerEndpoint, Config, Derived
-from common.config.migration import key_problems, value_problem
+from common.config.migration import key_problems
 from common.config.learner import check_learner_rules
 from common.config.server import check_server_rules
 from common.config.data import check_data_rules
 from common.config.run import check_run_rules
 from common.config.recipe import check_recipe_rules
+from common.config.weight_sync import check_weight_sync_rules
 from common.packing.schedule import exact_ratio
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,6 @@ def _build(cls: type, data: Any, prefix: str, problems: _Problems) -> Any:
             problems.add(dotted, value, "unknown key", hint)
             continue
         f = by_key[key]
-        if (unsupported := value_problem(dotted, value)) is not None:
-            problems.add(dotted, value, *unsupported)
-            continue
         kwargs[f.name] = _convert(hints[f.name], value, dotted, problems)
     for f in fields:
         if f.name in kwargs:
@@ -223,8 +221,8 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
         problems.add("rollout_matching.matching.gate", rm.matching.gate, "outside [0, 1]", "use an IoU such as 0.3")
     positive("rollout_matching.matching.candidate_top_k", rm.matching.candidate_top_k)
 
-    # Server rollouts (rollout_backend vllm, vllm.mode server, sync.mode full) are the only values the schema takes
-    # (common/config/migration.py refuses the origin's hf and colocate), so every mode has them.
+    # Every mode rolls out through rollout servers (common/config/migration.py refuses the origin's in-learner
+    # generation and colocated vLLM with that fix).
     if cb.rollouts_per_step is not None and cb.mode != "step":
         problems.add("stage2_ab.channel_b.rollouts_per_step", cb.rollouts_per_step, f"only used by mode step, not {cb.mode}",
                      "remove it (async actors roll out what the credits ask for; micro: per_device × GA per B step)")
@@ -237,16 +235,10 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     if cb.mode in ("step", "micro") and world_size is not None and world_size > 1:
         problems.add("stage2_ab.channel_b.mode", cb.mode, f"{cb.mode} mode runs on one learner process, world_size is {world_size}",
                      "use stage2_ab.channel_b.mode: async for multi-GPU learners")
-    if a.sync_mode == "overlap" and cb.mode != "async":
-        problems.add("stage2_ab.channel_b.async.sync_mode", a.sync_mode,
-                     f"overlap is for mode async; {cb.mode} mode rolls out against the server inside its own B steps, "
-                     "so they would wait at the server's sync fence for the push anyway (and step is the synchronous "
-                     "baseline)", "use sync_mode: blocking, or stage2_ab.channel_b.mode: async")
     positive("stage2_ab.channel_b.rollout_decode_batch_size", cb.rollout_decode_batch_size)
     positive("stage2_ab.channel_b.rollouts_per_step", cb.rollouts_per_step)
     positive("stage2_ab.channel_b.async.queue_limit", a.queue_limit)
     positive("stage2_ab.channel_b.async.prefetch_target_packs", a.prefetch_target_packs)
-    positive("stage2_ab.channel_b.async.sync_every_steps", a.sync_every_steps)
     positive("stage2_ab.channel_b.async.version_window", a.version_window, 0)
     if isinstance(a.prefetch_target_packs, int) and isinstance(a.queue_limit, int) and a.prefetch_target_packs > a.queue_limit:
         problems.add("stage2_ab.channel_b.async.prefetch_target_packs", a.prefetch_target_packs,
@@ -261,6 +253,9 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     if isinstance(t.max_train_seconds, (int, float)) and t.max_train_seconds <= 0:
         problems.add("training.max_train_seconds", t.max_train_seconds, "must be > 0", "use null for no time budget")
     positive("training.eval_max_images", t.eval_max_images)
+    if isinstance(t.gradient_checkpointing_every, int) and t.gradient_checkpointing_every < 1:
+        problems.add("training.gradient_checkpointing_every", t.gradient_checkpointing_every, "must be ≥ 1 (1 = every "
+                     "layer)", "set training.gradient_checkpointing: false to checkpoint no layer")
     positive("data.num_records_checked_at_start", cfg.data.num_records_checked_at_start, 0)
     check_data_rules(cfg, problems)
     for key in ("desc_ce_weight", "bbox_smoothl1_weight", "bbox_ciou_weight", "coord_ce_weight"):
@@ -286,12 +281,9 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
         problems.add("learner.nproc_per_node", cfg.learner.nproc_per_node, f"more ranks than learner.gpus {cfg.learner.gpus}",
                      "list one GPU per learner rank")
     _check_durations(cfg, "", problems)
-    if isinstance(srv.max_bucket_mb, int) and isinstance(rm.vllm.sync.bucket_mb, int) and srv.max_bucket_mb < rm.vllm.sync.bucket_mb:
-        problems.add("rollout_server.max_bucket_mb", srv.max_bucket_mb,
-                     f"below rollout_matching.vllm.sync.bucket_mb {rm.vllm.sync.bucket_mb}: every bucket would be refused",
-                     "raise rollout_server.max_bucket_mb or lower the learner's bucket_mb")
     positive("rollout_server.port", srv.port)
     check_server_rules(srv, problems)
+    check_weight_sync_rules(cfg, problems)
     check_learner_rules(cfg, problems)
     check_run_rules(cfg, problems)
     check_recipe_rules(cfg, problems)

@@ -1,10 +1,10 @@
-"""Keys and values a config may not hold, each with what to write instead: retired tandem keys, the
-origin's key paths, and values the schema once listed but no code path runs.
+"""Keys a config may not hold, each with what to write instead: retired tandem keys and sections (fields that
+took one value only among them), and the origin's key paths.
 
 :mod:`common.config.load` asks :func:`key_problems` about every key before it looks the key up in the
-schema, and :func:`value_problem` about every value before it checks its type, so a config written
-for the origin trainer (``custom.extra.rollout_matching.*``, ``custom.trainer_variant``) fails with one
-line per key naming the tandem key it maps to, not a generic "unknown key custom".
+schema, so a config written for the origin trainer (``custom.extra.rollout_matching.*``,
+``custom.trainer_variant``) fails with one line per key naming the tandem key it maps to, not a generic
+"unknown key custom".
 
 Example: ``custom: {extra: {rollout_matching: {temperature: 0.7}}}`` →
 ``custom.extra.rollout_matching.temperature = 0.7: the origin trainer's key path. Fix: write it as
@@ -33,21 +33,28 @@ RETIRED_KEYS = {
     "training.packing_length": "remove it: packing_length is training.global_max_length",
     "training.tensorboard": "write training.report_to: [tensorboard] instead of true (it also takes wandb and "
     "mlflow); remove it where it was false",
+    # fields that took one value only
+    "rollout_matching.rollout_backend": "remove it: rollouts always come from tandem rollout servers "
+    "(rollout_matching.vllm.servers), whatever their engine; for transformers generation (the origin's hf) set "
+    "rollout_server.engine: hf (in-learner generation is not implemented)",
+    "rollout_matching.vllm.mode": "remove it: rollouts always come from dedicated rollout servers (vLLM colocated "
+    "inside the learner is not implemented); on a box with one GPU, share it (learner.share_gpus_with_server: true, "
+    "a low rollout_server.gpu_memory_utilization)",
+    "rollout_matching.vllm.sync.mode": "remove it: every sync pushes the whole served model (model.adapter.sync: "
+    "adapter sends the adapter alone)",
+    # weight sync in one section
+    "rollout_matching.vllm.sync.transport": "move it to weight_sync.transport",
+    "rollout_matching.vllm.sync.bucket_mb": "move it to weight_sync.bucket_mb",
+    "rollout_matching.vllm.sync.timeout_s": "move it to weight_sync.timeout_s",
+    "rollout_matching.vllm.sync.fence": "move it to weight_sync.fence",
+    "rollout_matching.vllm.sync.master_addr": "move it to weight_sync.master_addr",
+    "stage2_ab.channel_b.async.sync_mode": "move it to weight_sync.mode",
+    "stage2_ab.channel_b.async.sync_every_steps": "move it to weight_sync.every_steps",
 }
 
-#: Values the origin accepted that no tandem code path runs: (dotted key, value) -> (problem, fix).
-UNSUPPORTED_VALUES = {
-    ("rollout_matching.rollout_backend", "hf"): (
-        "in-learner generation is not implemented: every mode (async, step, micro) rolls out through a rollout server",
-        "set rollout_matching.rollout_backend: vllm (= a tandem rollout server) and, for transformers generation "
-        "on CPU, rollout_server.engine: hf",
-    ),
-    ("rollout_matching.vllm.mode", "colocate"): (
-        "vLLM colocated inside the learner is not implemented: every mode rolls out through rollout servers",
-        "set rollout_matching.vllm.mode: server; on a box with one GPU, share it (learner.share_gpus_with_server: "
-        "true, a low rollout_server.gpu_memory_utilization)",
-    ),
-}
+#: Sections that used to exist: (dotted section) -> the section its keys moved to. Each key below one gets its
+#: own line: its entry in RETIRED_KEYS, or a pointer to the new section.
+RETIRED_SECTIONS = {"rollout_matching.vllm.sync": "weight_sync"}
 
 #: The origin's ``custom`` section: its sub-key -> the tandem key it became (None: no tandem key).
 ORIGIN_KEYS = {
@@ -63,18 +70,14 @@ def key_problems(dotted: str, value: Any) -> list[tuple[str, Any, str, str]] | N
     """
     if dotted in RETIRED_KEYS:
         return [(dotted, value, "this key is no longer supported", RETIRED_KEYS[dotted])]
+    if dotted in RETIRED_SECTIONS:
+        moved = f"move it under {RETIRED_SECTIONS[dotted]} (docs/config.md lists its keys)"
+        return [(key, v, "this key is no longer supported", RETIRED_KEYS.get(key, moved))
+                for key, v in _leaves(value, dotted)]
     if dotted != "custom":
         return None
     return [(key, v, "the origin trainer's key path, not tandem's", _origin_fix(key, v))
             for key, v in _leaves(value, dotted)]
-
-
-def value_problem(dotted: str, value: Any) -> tuple[str, str] | None:
-    """``(problem, fix)`` if ``value`` is one the schema no longer lists for ``dotted`` for a reason worth a fix."""
-    try:
-        return UNSUPPORTED_VALUES.get((dotted, value))
-    except TypeError:  # an unhashable value (a list): the type check reports it
-        return None
 
 
 def _origin_fix(key: str, value: Any) -> str:
@@ -89,8 +92,9 @@ def _origin_fix(key: str, value: Any) -> str:
         for retired in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
             if retired in RETIRED_KEYS:
                 return f"its tandem path {retired} is retired too: {RETIRED_KEYS[retired]}"
-        if (target, value) in UNSUPPORTED_VALUES:
-            return f"write it as {target}, with a supported value: {UNSUPPORTED_VALUES[(target, value)][1]}"
+        for section, moved_to in RETIRED_SECTIONS.items():
+            if target.startswith(section + "."):
+                return f"its tandem path {target} is retired too: move it under {moved_to}"
         if _schema_has(target):
             return f"write it as {target}"
     return "remove it: it has no tandem equivalent (docs/config.md lists every key)"

@@ -3,11 +3,12 @@
 ``doc(text, default)`` attaches a field's documentation; ``docs/config.md`` is generated from it
 (``python -m common.config.docs --markdown``). Loading, coercion and the cross-field rules live in
 :mod:`common.config.load`; a section with rules of its own has its dataclass beside them in its own module
-(``server.py``, ``data.py``, ``learner.py``, ``run.py``, ``recipe.py`` here), which :class:`Config` imports.
+(``server.py``, ``data.py``, ``learner.py``, ``run.py``, ``recipe.py``, ``weight_sync.py`` here), which
+:class:`Config` imports.
 
 Naming: counts are ``num_*`` or carry their unit (``*_s``, ``*_mb``, ``*_steps``).
-``rollout_matching.rollout_backend: vllm`` means "rollouts come from a tandem rollout server"
-(the vLLM-protocol server), whatever that server's engine is (``rollout_server.engine: vllm|hf``).
+Rollouts always come from tandem rollout servers (``rollout_matching.vllm.servers``), whatever their engine
+(``rollout_server.engine: vllm|hf``); the section is named ``vllm`` for the vLLM-compatible protocol the servers speak.
 
 What this module does not know: YAML, validation, torch, or how a value is used.
 """
@@ -24,6 +25,7 @@ from common.config.learner import LearnerConfig
 from common.config.recipe import AdapterConfig, LrGroups
 from common.config.run import TrainingRunKeys
 from common.config.server import RolloutServerConfig
+from common.config.weight_sync import WeightSyncConfig
 
 # --------------------------------------------------------------------------------------------- schema
 
@@ -79,6 +81,11 @@ class TrainingConfig(TrainingRunKeys):
     min_lr_ratio: float = doc("Final learning rate as a share of lr.", 0.0)
     max_grad_norm: float = doc("Gradient clipping norm; 0 disables.", 1.0)
     gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
+    gradient_checkpointing_every: int = doc(
+        "With gradient_checkpointing: recompute every Nth layer (vision blocks and decoder layers counted in order, "
+        "transformers' every_n_layers); the others keep their activations. 1 = every layer (least memory); 2 = "
+        "half the recomputation for ~half the saving (a 3b step at 12000 tokens on an H200: 1.05 -> 0.92 s, peak "
+        "31 -> 65 GiB, docs/benchmarks.md section 20). The launcher's memory estimate counts it.", 1)
     loss_head: Literal["plain", "chunked"] = doc(
         "How the loss reads the LM head over the N supervised rows of a pack. plain: the model returns the logits "
         "[N, vocab] (model.dtype) and the loss upcasts them to float32 (2.4 GB at N = 4,000 rows of a 151,936-row "
@@ -150,14 +157,7 @@ class AsyncConfig:
 
     queue_limit: int = doc("Ready packs held per learner rank; overflow drops the oldest (counted). ≥ GA.", 8)
     version_window: int = doc("Packs with ver < ver_current - version_window are stale: dropped, counted.", 2)
-    sync_every_steps: int = doc("Push weights to the server (ver += 1) every N optimizer steps.", 1)
     prefetch_target_packs: int = doc("Credits per rank: actors keep in-flight + queued ≤ this. GA ≤ it ≤ queue_limit.", 4)
-    sync_mode: Literal["blocking", "overlap"] = doc(
-        "blocking = barrier → rank 0 push → barrier (every rank stalls for the push); overlap = rank 0 pushes a "
-        "snapshot from a background thread while every rank trains on, the new ver adopted at the first step "
-        "boundary after the commit (mode async only; docs/learner.md).",
-        "blocking",
-    )
 
 
 @dataclass
@@ -204,32 +204,9 @@ class ServerEndpoint:
 
 
 @dataclass
-class SyncConfig:
-    """Weight sync to the rollout servers."""
-
-    mode: Literal["full"] = doc("full = push every weight each sync (the only mode in v1).", "full")
-    transport: Literal["auto", "http", "nccl", "ipc"] = doc(
-        "http = packed buckets over HTTP (any host); nccl = NCCL broadcast (GPU to other GPUs); ipc = the server "
-        "copies from the learner's memory (same GPU: CUDA IPC; CPU: /dev/shm); auto = ipc when the server "
-        "serves on the learner's GPU, else nccl to a vLLM server from a CUDA learner, else http.", "auto"
-    )
-    bucket_mb: int = doc("Bucket size for weight transfer.", 512)
-    timeout_s: float = doc("Deadline for a whole sync (fence + wire + commit).", 300.0)
-    fence: Literal["drain", "abort"] = doc("Server fence: drain in-flight /infer, or abort them (clients retry).", "drain")
-    master_addr: str = doc(
-        "nccl: address of learner rank 0 that the server workers reach for the weight-transfer rendezvous "
-        "(a free port is picked per group).", "127.0.0.1"
-    )
-
-
-@dataclass
 class VLLMConfig:
     """Server-mode rollouts."""
 
-    mode: Literal["server"] = doc(
-        "server = dedicated rollout servers, every mode; colocate (vLLM inside the learner) is refused.", "server"
-    )
-    sync: SyncConfig = doc("Weight sync.", factory=SyncConfig)
     servers: list[ServerEndpoint] = doc(
         "Rollout servers; actors spread load over them.",
         factory=lambda: [ServerEndpoint(base_url="http://127.0.0.1:8000")],
@@ -269,10 +246,6 @@ class MatchingConfig:
 class RolloutMatchingConfig:
     """Where rollouts come from and how they are matched."""
 
-    rollout_backend: Literal["vllm"] = doc(
-        "vllm = a tandem rollout server (whatever its engine: rollout_server.engine vllm or hf), the only source of "
-        "rollouts in every mode; in-learner generation (the origin's hf) is refused with that fix.", "vllm"
-    )
     vllm: VLLMConfig = doc("Server-mode rollouts.", factory=VLLMConfig)
     decoding: DecodingConfig = doc("Sampling knobs.", factory=DecodingConfig)
     matching: MatchingConfig = doc("Matching knobs.", factory=MatchingConfig)
@@ -357,6 +330,7 @@ class Config:
     training: TrainingConfig = doc("Optimisation and bookkeeping.", factory=TrainingConfig)
     rollout_matching: RolloutMatchingConfig = doc("Rollouts and matching.", factory=RolloutMatchingConfig)
     rollout_server: RolloutServerConfig = doc("Rollout server process.", factory=RolloutServerConfig)
+    weight_sync: WeightSyncConfig = doc("Weight sync, learner → rollout servers.", factory=WeightSyncConfig)
     actor: ActorConfig = doc("Actor processes.", factory=ActorConfig)
     transport: TransportConfig = doc("Actor ↔ learner links.", factory=TransportConfig)
     learner: LearnerConfig = doc("Learner process.", factory=LearnerConfig)

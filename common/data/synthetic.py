@@ -1,6 +1,6 @@
 """A deterministic synthetic detection dataset: coloured shapes on varied backgrounds.
 
-    python -m common.data.synthetic --out artifacts/data/synth --n 64 --seed 0 [--split 56/8] [--force]   # = tandem data synth
+    python -m common.data.synthetic --out artifacts/data/synth --n 64 --seed 0 [--split 56/8] [--force] \
         [--sides 56,84,112] [--max-objects 12] [--size-range 0.12/0.6] [--crowded]
 
 writes ``train.jsonl``, ``val.jsonl``, ``images/synth-000123.png`` and ``manifest.json`` under

@@ -97,7 +97,7 @@ class ParseResult:
     valid_objects: list[ParsedObject]  # appearance order
     dropped_by_reason: dict[str, int]  # every key of DROP_REASONS, zeros included
     truncated: bool  # the structure was still open where the usable text ended
-    max_object_index: int  # highest N of any "object_N" key in the prefix (objects_array: objects opened in it); 0 if none
+    max_object_index: int  # highest N of an "object_N" key in the prefix (objects_array: objects opened); 0: none
     invalid_rollout: bool  # no top-level `{`, or no object completed before the cut
     n_out_of_vocab: int = 0  # ids that are not tokens of this tokenizer (or not integers)
     prefix_reencoded: bool = False  # the cut fell inside a token, which was re-encoded

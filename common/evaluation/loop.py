@@ -152,7 +152,8 @@ class EvalResult:
             "eval/ver_min": self.ver_min if self.ver_min != self.ver_max else None,
             "eval/f1_ci_low": r.f1_ci_low, "eval/f1_ci_high": r.f1_ci_high, "eval/duplicate_rate": r.duplicate_rate,
             **{f"eval/f1_gt_{name}": b["f1"] for name, b in r.by_gt_count.items()},
-            # per-image counts ride with the record so the summary can bootstrap first vs last (common/evaluation/stats.py)
+            # per-image counts ride with the record so the summary can bootstrap first vs last
+            # (common/evaluation/stats.py)
             "eval/image_counts": r.image_counts.as_dict() if r.image_counts is not None else None,
         }
         return {k: v for k, v in values.items() if v is not None}

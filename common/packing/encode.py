@@ -69,7 +69,8 @@ class Encoder:
         self.image_root = image_root
         self.prompts = prompts
         self.processor = load_processor(self.model_path, min_pixels=min_pixels, max_pixels=max_pixels)
-        #: What images are resized with (data.min_pixels / data.max_pixels over the model's own); None: no image processor.
+        #: What images are resized with (data.min_pixels / data.max_pixels over the model's own); None: no image
+        #: processor.
         self.image_pixels = processor_pixels(getattr(self.processor, "image_processor", None))
         self.tokenizer = self.processor.tokenizer
         self.config = AutoConfig.from_pretrained(self.model_path)
@@ -94,8 +95,8 @@ class Encoder:
 
     def prompt(self, record: Record, image_paths: list[str]) -> dict[str, np.ndarray]:
         """Prompt ids [P] (image pads expanded), pixel_values uint8 [N, D] with pixel_affine [2, D]
-        (``common.packing.segment.pixel_floats`` gives the processor's float32 pixel_values back), image_grid_thw [I, 3],
-        mm_token_type_ids [P]."""
+        (``common.packing.segment.pixel_floats`` gives the processor's float32 pixel_values back),
+        image_grid_thw [I, 3], mm_token_type_ids [P]."""
         from PIL import Image  # deferred with the processor
 
         text = self.processor.apply_chat_template(

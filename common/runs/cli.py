@@ -44,7 +44,8 @@ _COMM_LEN = 15  # the kernel keeps 15 characters of a process name
 class _ConfigParser(argparse.ArgumentParser):
     """Overrides may come before, between or after the flags: ``--config C a=1 --dry-run b=2``."""
 
-    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+    def parse_args(  # type: ignore[override]
+            self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
         return self.parse_intermixed_args(args, namespace)
 
 

@@ -3,8 +3,8 @@
 Links, and the module that declares each message::
 
     actor ──HTTP /infer──────────────► rollout server      InferRequest -> InferResponse       http.py
-    learner rank 0 ──HTTP /sync/*────► rollout server      SyncInit/Begin/Bucket/Commit/Abort  sync.py
-    ops / tests ──HTTP GET /sync/digest► rollout server   SyncDigestResponse                  sync.py
+    learner rank 0 ──HTTP /sync/*────► rollout server      Sync*Request -> Sync*Response       ../weight_sync/messages.py
+    ops / tests ──HTTP GET /sync/digest► rollout server   SyncDigestResponse                  ../weight_sync/messages.py
     anyone ──HTTP /health────────────► rollout server      HealthResponse                      http.py
     rollout server ──any 4xx/5xx─────► any HTTP client     ErrorResponse                       http.py
     actor ──ZMQ PUSH─────────────────► learner rank r      pack message                        codec.py

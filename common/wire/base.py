@@ -1,4 +1,4 @@
-"""The base of every HTTP message model (:mod:`common.wire.http`, :mod:`common.wire.sync`), and the
+"""The base of every HTTP message model (:mod:`common.wire.http`, :mod:`common.weight_sync.messages`), and the
 text rule every one of them keeps: strings are valid Unicode.
 
 JSON may spell a lone UTF-16 surrogate (``"\\ud800"``); Python decodes it into a ``str`` that no

@@ -6,7 +6,7 @@
 
 Bodies are JSON validated by the pydantic models here (server and client import the same classes); every
 model forbids unknown fields, so a typo is a 4xx naming the field, not a silent default. The ``/sync/*``
-messages are in ``common/wire/sync.py``, the ZMQ codecs in ``common/wire/codec.py`` (the links side by side:
+messages are in ``common/weight_sync/messages.py``, the ZMQ codecs in ``common/wire/codec.py`` (the links side by side:
 ``common/wire/__init__.py``).
 
 What this module does not know: sockets, engines, tokenizers, torch. It imports pydantic and the other wire modules
@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from common.wire.base import Message as _Message
 from common.wire.base import ContentError, error_location, lone_surrogate
-from common.wire.sync import MAX_VER, SyncState
+from common.weight_sync.messages import MAX_VER, SyncState
 from common.wire.codec import SCHEMA_VERSION
 
 #: Upper bound on ``SamplingParams.max_tokens``; larger values are a config mistake, not a request.

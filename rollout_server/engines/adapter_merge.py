@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from common.wire.sync import AdapterSpec, TensorSpec
-from common.tensors import weights as W
+from common.weight_sync.messages import AdapterSpec, TensorSpec
+from common.weight_sync import weights as W
 
 ADAPTER = "default"  # peft's adapter name inside the shadow
 

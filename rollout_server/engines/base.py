@@ -18,7 +18,7 @@ Lifecycle and the calls the fence makes, in order, for one weight sync::
     stop()                                    once, at shutdown
 
 What an engine does not know: HTTP, versions, sessions, authentication. Those live in
-``rollout_server/routes/``, ``rollout_server/fence.py`` and ``rollout_server/sync.py``.
+``rollout_server/routes/``, ``rollout_server/fence.py`` and ``rollout_server/weight_sync/session.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from dataclasses import dataclass, field
 
 from common.data.images import InputError
-from common.wire.sync import AdapterSpec, TensorSpec
+from common.weight_sync.messages import AdapterSpec, TensorSpec
 from common.wire.http import InferItem, InferOutput, SamplingParams
 
 
@@ -124,7 +124,7 @@ class Engine(abc.ABC):
         self._skip: set[str] = set()  # the open session's accepted SyncInitRequest.skip
 
     def _set_manifest(self, spec: list[TensorSpec], tied: list[list[str]]) -> None:
-        """What :meth:`start` learned of the served model (``common.tensors.weights.manifest_of``)."""
+        """What :meth:`start` learned of the served model (``common.weight_sync.weights.manifest_of``)."""
         self._manifest = {s.name: s for s in spec}
         self._tied = [list(g) for g in tied]
         self._alias = {n: g[0] for g in self._tied for n in g[1:]}
@@ -177,7 +177,7 @@ class Engine(abc.ABC):
 
     async def receive_ipc(self, req: Any) -> int:
         """``/sync/ipc`` (an engine listing ``ipc`` in ``transports``): copy one bucket out of the learner's
-        shared buffer (``req.source``, :func:`common.tensors.shared.open_shared`) before returning; bytes."""
+        shared buffer (``req.source``, :func:`common.weight_sync.shared.open_shared`) before returning; bytes."""
         raise WeightUpdateError(f"the {self.name} engine does not take transport 'ipc'")
 
     # ---------------------------------------------------------------- lifecycle
@@ -251,12 +251,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def fingerprint(self) -> str:
-        """Cheap deterministic hash of the served weights (see ``common.tensors.weights.fingerprint``)."""
+        """Cheap deterministic hash of the served weights (see ``common.weight_sync.weights.fingerprint``)."""
 
     async def weights_digest(self) -> list[str]:
         """Exact digest of the served weights, one per worker holding weights (``GET /sync/digest``).
 
-        Each entry is ``common.tensors.weights.exact_digest`` over that worker's served parameters
+        Each entry is ``common.weight_sync.weights.exact_digest`` over that worker's served parameters
         (manifest names), computed where the weights live. Unlike :meth:`fingerprint` it reads every
         element, so equal entries mean bit-identical weights: ops and GPU tests compare workers, or
         two weight-load paths, with it. Called only while no sync session is open.

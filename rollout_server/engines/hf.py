@@ -28,11 +28,11 @@ import torch
 from common.data.image_size import processor_pixels
 from common.wire.http import InferItem, InferOutput, SamplingParams
 from common.data.processor import load_processor
-from common.tensors import packed as P
-from common.tensors import weights as W
+from common.weight_sync import packed as P
+from common.weight_sync import weights as W
 from common.generation.generator import HFGenerator
 from common.generation.sampling import CancelledGeneration
-from common.tensors.shared import gpu_uuid, open_shared
+from common.weight_sync.shared import gpu_uuid, open_shared
 from rollout_server.engines.adapter_merge import AdapterMerger, adapter_tensor_specs
 from rollout_server.engines.base import Engine, WeightUpdateError, check_token_budget
 

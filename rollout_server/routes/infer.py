@@ -6,7 +6,7 @@ the serving path it shares with ``/v1/*`` (rollout_server/routes/openai.py)::
         waiting at a closed fence at most admission_timeout_s (503) ──► engine.generate, cancelled if
         the client disconnects (499, counted) ──► tokens counted
 
-What this module does not know: how the engine generates, or when the fence closes (rollout_server/sync.py).
+What this module does not know: how the engine generates, or when the fence closes (rollout_server/weight_sync/session.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from common.wire.http import InferRequest, InferResponse
-from common.wire.sync import MAX_VER_JUMP
+from common.weight_sync.messages import MAX_VER_JUMP
 from rollout_server.engines.base import EngineInputError, check_prompt_lengths
 from rollout_server.errors import ERROR_RESPONSES, ApiError
 from rollout_server.fence import AdmissionTimeout

@@ -1,7 +1,7 @@
-"""``/sync/*``: the weight-sync routes learner rank 0 calls; :class:`rollout_server.sync.SyncController` is the
-state machine behind them (one session at a time, the fence closed from begin to commit or abort).
+"""``/sync/*``: the weight-sync routes learner rank 0 calls; :class:`rollout_server.weight_sync.session.SyncController`
+is the state machine behind them (one session at a time, the fence closed from begin to commit or abort).
 
-    POST /sync/init|begin|commit|abort    the session's steps (common.wire.sync's request/response models)
+    POST /sync/init|begin|commit|abort    the session's steps (common.weight_sync.messages's request/response models)
     POST /sync/bucket            packed raw tensor bytes + X-Tandem-Bucket JSON header (SyncBucketHeader)
     POST /sync/update            NCCL bucket announcement (vLLM engine only)
     POST /sync/ipc               a bucket the server copies from the learner's shared buffer (SyncIpcRequest)
@@ -11,7 +11,7 @@ A failed request goes through the one failure rule, ``SyncController.request_fai
 session, the session ends and the fence reopens (a body that fails validation too: rollout_server/app.py reads
 its ``session`` with :func:`named_session`). The bearer token is checked by ``rollout_server.guard.RequestGuard``
 before any body is read (FastAPI parses a body before it runs a route's dependencies). The bucket stream that
-shares the port is rollout_server/sync_stream.py.
+shares the port is rollout_server/weight_sync/stream.py.
 
 What this module does not know: how a session moves between states, or how an engine stages weights.
 """
@@ -24,12 +24,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from common.tensors import packed as P
+from common.weight_sync import packed as P
 from common.wire.base import content_only
 from common.wire.http import ErrorResponse
-from common.wire.sync import (BUCKET_HEADER, SyncAbortRequest, SyncAbortResponse, SyncBeginRequest, SyncBeginResponse,
-                              SyncBucketHeader, SyncBucketResponse, SyncCommitRequest, SyncCommitResponse,
-                              SyncDigestResponse, SyncInitRequest, SyncInitResponse, SyncIpcRequest)
+from common.weight_sync.messages import (BUCKET_HEADER, SyncAbortRequest, SyncAbortResponse, SyncBeginRequest,
+                                         SyncBeginResponse, SyncBucketHeader, SyncBucketResponse, SyncCommitRequest,
+                                         SyncCommitResponse, SyncDigestResponse, SyncInitRequest, SyncInitResponse,
+                                         SyncIpcRequest)
 from rollout_server.errors import ERROR_RESPONSES, ApiError
 from rollout_server.guard import read_body
 from rollout_server.state import Server, ServerState
@@ -89,7 +90,7 @@ async def sync_bucket(request: Request, server: Server) -> SyncBucketResponse:
     except ApiError as exc:
         raise await sync.request_failed(header.session, exc) from None
     limit, key = limits.max_bucket_mb << 20, f"rollout_server.max_bucket_mb = {limits.max_bucket_mb}"
-    hint = "lower rollout_matching.vllm.sync.bucket_mb"
+    hint = "lower weight_sync.bucket_mb"
     length = request.headers.get("content-length")
     length = int(length) if length is not None and length.isdigit() else None  # None: chunked
     # A stalled upload counts as idle: no chunk for sync_idle_timeout_s (or body_read_timeout_s, if

@@ -64,7 +64,7 @@ from typing import Any
 
 from common.data import image_size
 from common.wire.http import InferItem, InferOutput, SamplingParams
-from common.wire.sync import SyncBucketHeader, SyncInitRequest, TensorSpec
+from common.weight_sync.messages import SyncBucketHeader, SyncInitRequest, TensorSpec
 from rollout_server.engines.base import (Engine, EngineInputError, EngineUnavailable, WeightUpdateError,
                                          check_token_budget)
 from rollout_server.engines.vllm.convert import infer_output, sampling_kwargs, stop_token_ids, vllm_prompt
@@ -94,7 +94,7 @@ class VLLMEngine(IpcReceiver, Engine):
     name = "vllm"
     transports = ("nccl", "http", "ipc")
     #: NCCL and IPC updates load into the served model as chunks arrive: a sync that fails after its
-    #: update started cannot keep the old weights (rollout_server.sync marks an error).
+    #: update started cannot keep the old weights (rollout_server.weight_sync.session marks an error).
     updates_in_place = True
     #: A learner's frozen parameters are still pushed to vLLM: a partial update through vLLM's layerwise reload and
     #: the fast loader has not been run on a GPU here. Adapter sessions are refused (Engine._open_adapter).
@@ -171,7 +171,7 @@ class VLLMEngine(IpcReceiver, Engine):
         import torch
         from transformers import AutoConfig, AutoModelForImageTextToText
 
-        from common.tensors import weights as W
+        from common.weight_sync import weights as W
 
         config = AutoConfig.from_pretrained(self.model_path)
         with torch.device("meta"):

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from common.wire.sync import SharedBuffer
-from common.tensors import weights as W
-from common.tensors.shared import gpu_uuid, open_shared
+from common.weight_sync.messages import SharedBuffer
+from common.weight_sync import weights as W
+from common.weight_sync.shared import gpu_uuid, open_shared
 from rollout_server.engines.vllm.fast_loader import NUM_BUFFERS, FastLoader
 from rollout_server.engines.vllm.load_plan import (ChunkLayout, PlanError, chunk_layouts, chunk_views, layout_key,
                                                    stream_key)
@@ -113,7 +113,7 @@ class TandemWorkerExtension:
             free = "free memory unknown"
         return (f"out of GPU memory for the fast weight load: {NUM_BUFFERS} receive buffers of {chunk_mb:.0f} MB plus the "
                 f"copy graphs live outside vLLM's gpu_memory_utilization budget ({free}). Fix: lower "
-                f"rollout_matching.vllm.sync.bucket_mb or rollout_server.gpu_memory_utilization "
+                f"weight_sync.bucket_mb or rollout_server.gpu_memory_utilization "
                 f"(or set rollout_server.weight_load: native)")
 
     def _tandem_fast_loader(self) -> FastLoader:

@@ -1,13 +1,13 @@
 """The vLLM engine's side of ``transport: ipc``: a bucket loaded by the GPU worker straight from the learner's memory.
 
 For the one-GPU topology (learner and vLLM on one device). ``/sync/ipc`` names a bucket in the
-learner's shared buffer (:class:`common.wire.http.SyncIpcRequest`); :meth:`IpcReceiver.receive_ipc`
+learner's shared buffer (:class:`common.weight_sync.messages.SyncIpcRequest`); :meth:`IpcReceiver.receive_ipc`
 checks it against the manifest and the GPU, then one ``collective_rpc("tandem_load_shared")`` has the
 worker open the buffer (CUDA IPC: no host round trip) and run the model's own weight loaders on views
 of it (:meth:`rollout_server.engines.vllm.extension.TandemWorkerExtension.tandem_load_shared`). The
 loaders copy into the served parameters in place, so captured CUDA graphs stay valid; like the NCCL
 path, a session that fails after its first bucket leaves the weights partly new and
-``rollout_server/sync.py`` then refuses to serve (``updates_in_place``).
+``rollout_server/weight_sync/session.py`` then refuses to serve (``updates_in_place``).
 
 HTTP buckets take the same worker call at commit: :meth:`IpcReceiver._stage_host` copies each received
 bucket into a /dev/shm file of this host (the engine-core workers are other processes) and
@@ -25,8 +25,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common.tensors import packed as P
-from common.tensors.shared import SendBuffer
+from common.weight_sync import packed as P
+from common.weight_sync.shared import SendBuffer
 from rollout_server.engines.base import WeightUpdateError
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.tensors import weights as W
+from common.weight_sync import weights as W
 
 log = logging.getLogger(__name__)
 
