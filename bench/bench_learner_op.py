@@ -110,6 +110,8 @@ def build_model(path: Path, device, dtype):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    from learner.model import set_checkpointing
+
     torch.manual_seed(0)
     with torch.device(device):  # the modules' own __init__ on the device: the rotary buffers are computed there
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
@@ -123,7 +125,7 @@ def build_model(path: Path, device, dtype):
             else:
                 p.normal_(0.0, 0.02)
     model.tie_weights()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_checkpointing(model, 1)  # each row sets its own (+ckptN)
     model.config.use_cache = False
     return model.train()
 
