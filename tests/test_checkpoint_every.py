@@ -71,10 +71,9 @@ def test_a_refusal_with_every_nth_layer_leads_with_checkpointing_every_layer_whe
     need = sum(G.learner_need(cfg, PRESET_05B).values())
     every1 = sum(G.learner_need(load_config(ONE_GPU, ["training.gradient_checkpointing=true",
                                                       "training.global_max_length=16384"]), PRESET_05B).values())
-    server = G.server_share(cfg, 0)
     total = int((need + every1) / 2 / (1 - cfg.rollout_server.gpu_memory_utilization))  # between the two needs
     why = G.refusal(cfg, PRESET_05B, total, [0])
     assert why is not None, (need, every1, total)
     fixes = why.split("Change one of:")[1].strip().splitlines()
     assert fixes[0].strip().startswith("training.gradient_checkpointing_every: 1 (now 4)"), fixes[0]
-    assert "this alone is enough" in fixes[0] and server >= 0
+    assert "this alone is enough" in fixes[0]
