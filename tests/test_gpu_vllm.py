@@ -17,7 +17,10 @@ third of them as the first token. The sync itself was exact there: the pushed ve
 disk-loaded version's tokens bit for bit, over the fast and the native load, and pushing ver 0 back
 restored ver 0's (``docs/benchmarks.md`` section 22). Wrong names or bytes would put tokens many logits below the best: the test checks
 that the previous version's answer is that far off. The fence test checks that the server tags every
-batch with the version whose weights produced it.
+batch with the version whose weights produced it. Two tests push over ``http`` to a server no sync has written
+(``fresh_server``): a frozen vision tower declared and not sent, and an adapter pushed alone (LoRA and DoRA,
+merged by the server on CPU from the checkpoint it read; rollout_server/engines/vllm/adapter.py), each judged by
+the same greedy-gap rule against the learner's weights.
 
 That server runs eager (``enforce_eager`` overridden to true): with CUDA graphs on, vLLM's compiled
 kernels round differently enough that its greedy output leaves the HF learner's after ~8 tokens even
@@ -137,11 +140,21 @@ class Learner:
             if k and name.endswith("language_model.norm.weight"):
                 p.copy_(8.0 * torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype))
 
-    @torch.no_grad()
     def greedy_gaps(self, k: int, tokens: list[int]) -> list[float]:
         """How far below the best logit each of ``tokens`` (an answer to ``prompt_ids``) lies under version ``k``,
         teacher-forced in one forward: all 0 for the learner's own greedy answer."""
         self.set_version(k)
+        return self.gaps(tokens)
+
+    @torch.no_grad()
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Weights that are no version (an adapter run's merged ones) into the model; ``set_version`` undoes it."""
+        for name, p in self.model.named_parameters():
+            p.copy_(weights[name])
+
+    @torch.no_grad()
+    def gaps(self, tokens: list[int]) -> list[float]:
+        """:meth:`greedy_gaps` under the weights the model holds now."""
         ids = torch.tensor([self.prompt_ids + list(tokens)], device=f"cuda:{LEARNER_GPU}")
         logits = self.model(input_ids=ids).logits[0, len(self.prompt_ids) - 1:-1].float()
         picked = logits.gather(1, ids[0, len(self.prompt_ids):, None])[:, 0]
@@ -386,3 +399,92 @@ def test_under_cuda_graphs_pushing_the_disk_weights_back_restores_the_servers_ow
               f"tokens, digest {d0}; perturbed output differed on {sum(a != b for a, b in zip(out0, out1))}; push "
               f"total {push2.total_s:.3f}s (fence {push2.fence_s:.3f} wire {push2.wire_s:.3f} commit "
               f"{push2.commit_s:.3f}), {push2.bytes / 1e6:.0f} MB, {push2.n_buckets} bucket(s)")
+
+
+@pytest.fixture
+def fresh_server(model_dir):
+    """A server no sync has written yet (eager, as ``server``): frozen names are taken only for weights it still
+    holds as loaded (Engine.open_session), and the module's ``server`` has had every weight pushed."""
+    with vllm_server(model_dir, enforce_eager=True) as srv:
+        yield srv
+
+
+def served_bytes(weights) -> int:
+    return sum(t.numel() * t.element_size() for _, t in weights)
+
+
+def test_a_frozen_vision_tower_is_not_sent_over_http_and_the_served_output_is_still_the_learners(fresh_server, learner):
+    """``skip`` on vLLM: version 1 changes only language-model weights, so the vision tower is the checkpoint's on
+    both sides; declared frozen, it is not sent, and the served greedy answer is the learner's under version 1."""
+    from learner.weight_sync.transport import make_sender
+
+    item = [{"prompt_token_ids": learner.prompt_ids}]
+    before = infer(fresh_server.url, item, GREEDY)
+    learner.set_version(1)
+    weights = [(n, p.detach()) for n, p in learner.model.named_parameters()]
+    frozen = [n for n, _ in weights if n.startswith("model.visual.")]
+    assert frozen
+    with make_sender(fresh_server.url, "http", timeout_s=300) as sender:
+        report = sender.push(weights, bucket_bytes=64 << 20, skip=frozen)
+    got = infer(fresh_server.url, item, GREEDY)
+    assert got.ver == report.ver == before.ver + 1
+    assert report.n_skipped == len(frozen), "the server refused the frozen names (see its log: skip_refused)"
+    assert report.skipped_bytes == served_bytes((n, t) for n, t in weights if n in set(frozen))
+    assert report.bytes == served_bytes(weights) - report.skipped_bytes
+    gaps, off = learner.greedy_gaps(1, got.outputs[0].token_ids), learner.greedy_gaps(1, before.outputs[0].token_ids)
+    assert max(gaps) <= TIE_LOGITS, f"served {got.outputs[0].token_ids} sits {gaps} logits below the learner's best"
+    assert max(off) > 4 * TIE_LOGITS, f"the check cannot tell versions apart: ver 0's answer is only {off} off"
+    print(f"frozen vision tower over http: {len(frozen)} tensors ({report.skipped_bytes / 1e6:.0f} MB) not sent, "
+          f"{report.bytes / 1e6:.0f} MB sent; gaps {gaps}")
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_an_adapter_pushed_alone_over_http_is_merged_by_the_server_into_the_learners_greedy_output(
+        fresh_server, learner, kind):
+    """``model.adapter.sync: adapter`` on vLLM: the learner's copy of the checkpoint gets a rank-16 adapter on every
+    linear layer (random non-zero B: the merge matters) and a sharp final norm trained whole (``modules_to_save``:
+    a non-adapted trainable weight, so versions are told apart). Only the adapter's tensors and that norm travel;
+    the server merges from the base it read from disk, and serves the learner's greedy answer under the merged
+    weights (within :data:`TIE_LOGITS`)."""
+    import copy
+    from types import SimpleNamespace
+
+    from learner.recipe import adapter_push, frozen_names, inject_adapter
+    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.transport import make_sender
+
+    item = [{"prompt_token_ids": learner.prompt_ids}]
+    before = infer(fresh_server.url, item, GREEDY)
+    learner.set_version(0)  # the checkpoint: the base the server merges into
+    policy = copy.deepcopy(learner.model)
+    cfg = SimpleNamespace(type=kind, rank=16, alpha=32.0, dropout=0.0, target_modules="all-linear",
+                          modules_to_save=["language_model.norm"], sync="adapter")
+    inject_adapter(policy, cfg, set())
+    g = torch.Generator(device=f"cuda:{LEARNER_GPU}").manual_seed(11)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype))
+            if name.endswith("language_model.norm.modules_to_save.default.weight"):
+                p.copy_(8.0 * torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype))
+    merged = dict(named_weights(policy))
+    push, frozen = adapter_push(policy), frozen_names(policy)
+    assert any(".language_model." in layer for layer in push.spec.layers) and push.spec.type == kind
+    with make_sender(fresh_server.url, "http", timeout_s=300) as sender:
+        report = sender.push(merged.items(), bucket_bytes=64 << 20, skip=frozen, adapter=push)
+    got = infer(fresh_server.url, item, GREEDY)
+    learner.load(merged)
+    gaps, off = learner.gaps(got.outputs[0].token_ids), learner.gaps(before.outputs[0].token_ids)
+    norm = [(n, t) for n, t in merged.items() if n.endswith("language_model.norm.weight")]
+    full = served_bytes(merged.items())
+    assert got.ver == report.ver == before.ver + 1
+    assert report.bytes == served_bytes(push.tensors) + served_bytes(norm), (
+        "an adapter session sends the adapter's tensors and the non-adapted trainable weights only")
+    assert report.n_skipped == len(merged) - len(norm) and report.bytes < full / 5
+    assert max(gaps) <= TIE_LOGITS, (f"server {got.outputs[0].token_ids} is not the learner's greedy answer under "
+                                     f"the merged weights: its tokens sit {gaps} logits below the learner's best")
+    assert max(off) > 4 * TIE_LOGITS, f"the check cannot tell the merged weights apart: the old answer is {off} off"
+    merge = re.findall(r"adapter sync: \d+ layer\(s\) merged on CPU in ([\d.]+)s", fresh_server.log_tail(400))
+    assert merge, "the server did not log its merge"
+    print(f"{kind} r16 all-linear over http: {report.bytes / 1e6:.1f} MB sent of {full / 1e6:.0f} MB served, "
+          f"commit {report.commit_s:.3f}s (merge {merge[-1]}s on CPU), gaps {gaps}")

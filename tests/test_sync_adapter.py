@@ -130,13 +130,14 @@ def test_an_adapter_sync_is_refused_when_the_server_lost_its_base_and_for_a_laye
     assert health["status"] == "ok", "a refused session opens no fence"
 
 
-def test_adapter_sync_with_the_vllm_engine_is_refused_at_load_naming_the_key_and_the_fix():
-    overrides = ["model.adapter.type=dora", "model.adapter.sync=adapter"]
-    cfg = load_config("configs/demo_cpu.yaml", overrides)
-    assert cfg.model.adapter.sync == "adapter"
-    with pytest.raises(ConfigError) as err:
-        load_config("configs/demo_cpu.yaml", [*overrides, "rollout_server.engine=vllm"])
-    assert "model.adapter.sync" in str(err.value) and "rollout_server.engine: hf" in str(err.value)
+def test_adapter_sync_with_the_vllm_engine_needs_the_http_transport_and_the_refusal_names_the_key_and_fix():
+    overrides = ["model.adapter.type=dora", "model.adapter.sync=adapter", "rollout_server.engine=vllm"]
+    cfg = load_config("configs/demo_cpu.yaml", [*overrides, "weight_sync.transport=http"])
+    assert (cfg.model.adapter.sync, cfg.rollout_server.engine) == ("adapter", "vllm")
+    for transport in ("nccl", "auto"):
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/demo_cpu.yaml", [*overrides, f"weight_sync.transport={transport}"])
+        assert "weight_sync.transport" in str(err.value) and "set weight_sync.transport: http" in str(err.value)
 
 
 def test_after_a_server_refuses_a_push_that_kept_frozen_weights_every_later_push_to_it_is_full():

@@ -45,8 +45,8 @@ class AdapterConfig:
         "for every adapted layer, leaving its training weights as they are, and pushes the changed weights under "
         "the HF names (the adapted layers' merged weights and modules_to_save; frozen weights stay on the server). "
         "adapter: only the adapter's tensors (LoRA A/B, DoRA magnitudes) travel, plus modules_to_save, and the "
-        "server merges them into its kept base weights with peft's merge (rollout_server.engine: hf only; the "
-        "vllm engine is refused at load; learner.parallel: fsdp takes merged only: it gathers each adapted layer and "
+        "server merges them into its kept base weights with peft's merge (the vllm engine: over "
+        "weight_sync.transport: http only, merged on the server's CPU; learner.parallel: fsdp takes merged only: it gathers each adapted layer and "
         "merges on rank 0). docs/models.md, Adapters, has the bytes of each.", "merged")
 
 
@@ -101,8 +101,9 @@ def check_recipe_rules(cfg: Any, problems: Any) -> None:
                      "sharded push sends every gathered weight; it declares no adapter session)",
                      "use model.adapter.sync: merged under learner.parallel: fsdp (each adapted layer is gathered "
                      "and merged on rank 0), or learner.parallel: ddp for adapter-only sync")
-    if a.sync == "adapter" and cfg.rollout_server.engine == "vllm":
-        problems.add("model.adapter.sync", a.sync, "adapter-only sync is served by the hf engine only (the vllm "
-                     "engine neither merges a pushed adapter nor serves it as a LoRA in tandem yet)",
-                     "use model.adapter.sync: merged with rollout_server.engine: vllm (the learner pushes merged "
-                     "weights), or rollout_server.engine: hf")
+    if a.sync == "adapter" and cfg.rollout_server.engine == "vllm" and cfg.weight_sync.transport != "http":
+        problems.add("weight_sync.transport", cfg.weight_sync.transport, "the vllm engine takes an adapter-only sync "
+                     "over http only (the adapter's tensors are staged on the server, merged on its CPU at commit and "
+                     "loaded with the other staged tensors)",
+                     "set weight_sync.transport: http for model.adapter.sync: adapter, or model.adapter.sync: merged "
+                     "to push merged weights over nccl/ipc")

@@ -40,7 +40,10 @@ What travels (rank 0, weights not sharded): the served names frozen for the run 
 declared at ``/sync/init`` and not sent where the server accepts them; with ``model.adapter.sync: adapter`` the
 adapter's tensors travel instead of its layers' merged weights and the server merges them. The fingerprint
 always covers the complete served model. A commit refused for a fingerprint mismatch after such a push (the
-server's frozen or base copy is not the learner's) makes every later push to that server a full one.
+server's frozen or base copy is not the learner's) makes every later push to that server a full one. A server
+that refuses the adapter session itself (a 400 naming ``adapter``: an engine or transport that does not merge,
+e.g. vLLM over nccl) gets the same weights merged on the learner at once, and every later push too: logged as a
+warning with the server's reason, counted in ``sync/adapter_fallbacks`` (rank 0's count).
 ``sync/bytes`` and ``sync/skipped_bytes`` count what travelled and what did not.
 
 No barrier surrounds the push: every rank trains on while rank 0's thread pushes. A push that
@@ -123,6 +126,11 @@ def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, p.detach()
 
 
+def adapter_refused(exc: SyncError) -> bool:
+    """The server refused an adapter session as such (a 400 naming ``adapter``), not a failed push."""
+    return exc.status == 400 and "adapter" in str(exc) and "fingerprint" not in str(exc)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """The learner shards the model with FSDP2 (``learner.parallel: fsdp``): the sync gathers on every rank."""
     from learner.parallel import is_fsdp
@@ -163,9 +171,11 @@ class WeightSync:
         self._frozen: list[str] = []  # rank 0: learner/recipe.py frozen_names, once (frozen for the whole run)
         self._adapter: AdapterPush | None = None  # rank 0: the last source's adapter shape (its tensors ride along)
         self._full_push: set[str] = set()  # servers whose copy refused a skip or adapter push: full pushes from now
+        self._merged_push: set[str] = set()  # servers that refused the adapter session: merged pushes from now
         self._senders: dict[str, WeightSender] = {}
         self.last_sync_step: int | None = None
-        self.counts = {"sync/attempts": 0, "sync/successes": 0, "sync/failures": 0, "sync/deferred": 0}
+        self.counts = {"sync/attempts": 0, "sync/successes": 0, "sync/failures": 0, "sync/deferred": 0,
+                       "sync/adapter_fallbacks": 0}
         self.client_calls = 0  # pushes this rank issued (stays 0 on every rank but 0)
         self.gathers = 0  # all-gathers of sharded weights this rank took part in (FSDP2; every rank)
         self.transfer_device: torch.device | None = None  # FSDP2: the gather device, where senders stage bytes
@@ -339,6 +349,16 @@ class WeightSync:
         self.gathers += source.gathers
         return tensors
 
+    def _adapter_fallback(self, url: str, exc: SyncError) -> None:
+        """``url`` refused the adapter session: merged pushes to it from now on (module docstring)."""
+        self._merged_push.add(url)
+        self.counts["sync/adapter_fallbacks"] += 1
+        stale = self._senders.pop(url, None)  # a fresh sender (and connection) for the merged push
+        if stale is not None:
+            stale.close()
+        log.warning("%s refused the adapter push (%s); pushing merged weights to it now and from now on (fix the "
+                    "refusal to send only the adapter's tensors again)", url, exc)
+
     def _push_all(self, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], step: int,
                   ver: int) -> tuple[int, int, dict[str, float]]:
         """Rank 0 (or its push thread): push to every server in turn; the first failure ends the sync.
@@ -362,9 +382,18 @@ class WeightSync:
                     adapter = None
                 else:
                     skip = self._frozen
+                    adapter = None if url in self._merged_push else adapter
             try:
-                report = self._sender(url).push(source, bucket_bytes=self.bucket_bytes, fence=self.fence,
-                                                min_ver=floor, skip=skip, adapter=adapter)
+                try:
+                    report = self._sender(url).push(source, bucket_bytes=self.bucket_bytes, fence=self.fence,
+                                                    min_ver=floor, skip=skip, adapter=adapter)
+                except SyncError as exc:
+                    if adapter is None or not adapter_refused(exc):
+                        raise
+                    adapter = None
+                    self._adapter_fallback(url, exc)
+                    report = self._sender(url).push(source, bucket_bytes=self.bucket_bytes, fence=self.fence,
+                                                    min_ver=floor, skip=skip, adapter=None)
             except GatherError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of the sync keeps training alive (module docstring)

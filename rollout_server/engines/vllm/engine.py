@@ -18,9 +18,8 @@ Mapping onto vLLM:
   the batch (``AsyncLLM.abort``; vLLM also aborts a request whose consumer is cancelled, the explicit
   call does not depend on it). A prompt vLLM refuses (too long, id outside the vocabulary) is an
   EngineInputError (400); a batch over ``rollout_server.max_request_tokens`` a 413 (image placeholders
-  count as one token: vLLM expands them later and checks ``max_model_len`` itself). How items, sampling
-  and outputs translate to vLLM's (every sampling field explicit, chat prompts as text plus PIL
-  images, logprobs of the sampled token) is :mod:`rollout_server.engines.vllm.convert`.
+  count as one token: vLLM expands them later and checks ``max_model_len`` itself). How items, sampling and
+  outputs translate to vLLM's: :mod:`rollout_server.engines.vllm.convert`.
 * Image size: ``data.min/max_pixels`` as ``mm_processor_kwargs``, as the encoder's (common/data/image_size.py).
 * Fence hooks (the same semantics as the hf engine): our admission gate has already drained or
   cancelled every request when ``pause()`` runs ``pause_generation(mode="abort", clear_cache=True)``
@@ -45,7 +44,8 @@ Mapping onto vLLM:
   error rather than serve stale caches), ``reset_mm_cache`` and ``reset_encoder_cache``.
 * Weights over HTTP (no NCCL): each bucket staged in a /dev/shm file, loaded in place by every worker at
   commit; over ``ipc`` (the learner on the server's GPU): each bucket loaded by the workers straight from
-  the learner's GPU memory (:mod:`rollout_server.engines.vllm.ipc`; both in ``tests/test_gpu_vllm.py``).
+  the learner's GPU memory (:mod:`rollout_server.engines.vllm.ipc`). Frozen names kept (``skip``: http, ipc)
+  and ``adapter`` sessions (http; merged on CPU at commit): :mod:`rollout_server.engines.vllm.adapter`.
 * ``fingerprint``: vLLM keeps fused weights in worker processes; the engine reports the fingerprint
   the learner sent with the last commit. That the weights really arrived is shown by greedy outputs
   matching the learner's own (tests/test_gpu_vllm.py).
@@ -67,6 +67,7 @@ from common.wire.http import InferItem, InferOutput, SamplingParams
 from common.weight_sync.messages import SyncBucketHeader, SyncInitRequest, TensorSpec
 from rollout_server.engines.base import (Engine, EngineInputError, EngineUnavailable, WeightUpdateError,
                                          check_token_budget)
+from rollout_server.engines.vllm.adapter import AdapterReceiver
 from rollout_server.engines.vllm.convert import infer_output, sampling_kwargs, stop_token_ids, vllm_prompt
 from rollout_server.engines.vllm.ipc import IpcReceiver
 
@@ -88,18 +89,12 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine(IpcReceiver, Engine):
+class VLLMEngine(AdapterReceiver, IpcReceiver, Engine):
     """AsyncLLM in this process's event loop (created in the app lifespan, as AsyncLLM requires)."""
 
     name = "vllm"
     transports = ("nccl", "http", "ipc")
-    #: NCCL and IPC updates load into the served model as chunks arrive: a sync that fails after its
-    #: update started cannot keep the old weights (rollout_server.weight_sync.session marks an error).
-    updates_in_place = True
-    #: A learner's frozen parameters are still pushed to vLLM: a partial update through vLLM's layerwise reload and
-    #: the fast loader has not been run on a GPU here. Adapter sessions are refused (Engine._open_adapter).
-    skip_refused_reason = ("the vllm engine takes full pushes only (a partial update is untested on vLLM): "
-                           "frozen parameters are sent")
+    # updates_in_place, skip_refused_reason and the adapter terms: rollout_server/engines/vllm/adapter.py
 
     def __init__(self, model_path: str, srv: Any, *, min_pixels: int | None = None,
                  max_pixels: int | None = None) -> None:
@@ -280,7 +275,8 @@ class VLLMEngine(IpcReceiver, Engine):
         return canonical
 
     async def init_nccl(self, req: SyncInitRequest) -> None:
-        """``init_weight_transfer_engine``: every worker joins learner rank 0's group (once per rendezvous)."""
+        """``init_weight_transfer_engine``: every worker joins learner rank 0's group (once per rendezvous); the
+        session ``open_session`` opens next is an NCCL one (``_nccl_pending``: rollout_server/engines/vllm/adapter.py)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         self._bucket_bytes = req.bucket_bytes
@@ -288,17 +284,19 @@ class VLLMEngine(IpcReceiver, Engine):
         self._session_timeout_s = req.timeout_s
         key = (req.master_addr, req.master_port, req.world_size, req.rank_offset)
         if key == self._group_key:
+            self._nccl_pending = True
             return
         self._group_key = None
         info = {"master_address": req.master_addr, "master_port": req.master_port,
                 "rank_offset": req.rank_offset, "world_size": req.world_size}
         await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
-        self._group_key = key
+        self._group_key, self._nccl_pending = key, True
 
     async def receive_nccl(self, header: SyncBucketHeader) -> int:
         """All announced tensors, as packed broadcasts: fast path if every worker can plan it, else native."""
         names = [self._check(n, d, s) for n, d, s in zip(header.names, header.dtypes, header.shapes)]
         nbytes = sum(end - begin for begin, end in header.offsets)
+        self._inplace = True  # from here a failure may leave the served weights partly new
         if self._load_mode == "fast" and self._fast_refused is None and not self._nccl_updating:
             if await self._receive_fast(header, nbytes):
                 self._received.update(names)
@@ -383,23 +381,19 @@ class VLLMEngine(IpcReceiver, Engine):
         return nbytes
 
     async def stage_bucket(self, tensors: dict[str, Any]) -> int:
+        served, nbytes = self._take_adapter(tensors)  # an adapter session's tensors: kept apart, merged at commit
         canonical = {self._check(name, str(t.dtype).removeprefix("torch."), list(t.shape)): t
-                     for name, t in tensors.items()}
-        return self._stage_host(canonical)
+                     for name, t in served.items()}
+        return nbytes + (self._stage_host(canonical) if canonical else 0)
 
     async def commit(self, expected_fingerprint: str | None = None) -> bool:
+        await self._stage_merged()  # an adapter session: merged on CPU, then loaded as an HTTP bucket
         sent = self._received or set(self._staged)
-        missing = [n for n in self._manifest if n not in sent]
-        if self._fast_updated:
-            self._fast_updated = False
-            self._received = set()
-            if missing:
-                raise WeightUpdateError(f"{len(missing)} of {len(self._manifest)} parameters were not sent (first: "
-                                        f"{missing[0]!r}); the served weights are now partly new")
-        elif self._nccl_updating:
-            # Every announced tensor is already loaded; a partial update still has to be closed.
-            await self.llm.finish_weight_update()
-            self._nccl_updating = False
+        missing = [n for n in self._manifest if n not in sent and n not in self._skip]  # skipped: served as held
+        if self._fast_updated or self._nccl_updating:
+            if self._nccl_updating:  # every announced tensor is loaded; a partial update still has to be closed
+                await self.llm.finish_weight_update()
+            self._fast_updated = self._nccl_updating = False
             self._received = set()
             if missing:
                 raise WeightUpdateError(f"{len(missing)} of {len(self._manifest)} parameters were not sent (first: "
@@ -409,6 +403,7 @@ class VLLMEngine(IpcReceiver, Engine):
                 self._drop_staged()
                 raise WeightUpdateError(f"{len(missing)} parameters were not sent (first: {missing[0]!r})")
             await self._load_staged()
+            self._merge_loaded(len(sent))
         else:
             raise WeightUpdateError("nothing was sent in this session")
         # False while requests hold KV blocks; after our drain and pause it must be True. The three resets
@@ -418,12 +413,14 @@ class VLLMEngine(IpcReceiver, Engine):
         ok = bool(ok)
         if expected_fingerprint is not None:
             self._fingerprint = expected_fingerprint
+        self._end_session(sent)  # names written: a later skip of them is refused (Engine.open_session)
         if not ok:
             log.error("reset_prefix_cache returned False after a weight update: cached prefixes may be stale")
         return ok
 
     async def discard(self) -> None:
         self._drop_staged()
+        self._end_session()
         self._received = set()
         self._fast_updated = False
         if self._nccl_updating:  # start_weight_update refuses while a session is active: close it

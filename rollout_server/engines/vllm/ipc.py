@@ -38,6 +38,7 @@ class IpcReceiver:
     _received: set[str]
     _nccl_updating: bool
     _fast_updated: bool
+    _inplace: bool
     _session_timeout_s: float
     last_update_info: dict | None
     _staged: dict[str, Any]
@@ -48,6 +49,7 @@ class IpcReceiver:
         self._gpu_uuids = [str(u) for u in await self.llm.collective_rpc("tandem_gpu_uuid")]
 
     async def receive_ipc(self, req: Any) -> int:
+        self._refuse_adapter_ipc()  # type: ignore[attr-defined]  # before anything loads: old weights kept
         names = [self._check(n, d, s) for n, d, s in zip(req.names, req.dtypes, req.shapes)]  # type: ignore[attr-defined]
         src = req.source
         if src.kind != "cuda":
@@ -61,7 +63,7 @@ class IpcReceiver:
         layout = {"names": list(req.names), "dtypes": list(req.dtypes), "shapes": [list(s) for s in req.shapes],
                   "offsets": [list(o) for o in req.offsets]}
         t0 = time.monotonic()
-        self._fast_updated = True  # from here the served weights are being overwritten in place
+        self._fast_updated = self._inplace = True  # from here the served weights are being overwritten in place
         outs = await self.llm.collective_rpc("tandem_load_shared", timeout=self._session_timeout_s,
                                              kwargs={"layout": layout, "source": src.model_dump()})
         self._received.update(names)
