@@ -2,7 +2,7 @@
 
     python bench/bench_quality.py [--config configs/demo_cpu.yaml] [--budget-s 90] [--eval-every 25]
         [--arms a_only,async_ab,step] [--seeds 5] [--val-images 512] [--out runs/bench-quality] [--quick]
-        [--json OUT] [key=value ...]
+        [--gpus 0,1,2] [--deadline-s S] [--json OUT] [key=value ...]
 
 Every arm is the real topology (``python -m launcher``: rollout server, actors where the mode has them,
 the torchrun learner) started from the config's ``model.path`` (the Stage-1 warm start) with the same
@@ -34,6 +34,17 @@ validation set of that size is generated beside the training data from its ``man
 images are its first ones), and ``training.eval_max_images`` is set to N. The plot shows per arm the
 mean curve over seeds (each interpolated onto common learner seconds) with its t-band.
 
+Parallel runs (``--gpus 0,1,2``): one slot per GPU, one run at a time each, taken in the same seed-major order.
+Slot k gets its own ports, every one the launcher opens: ``rollout_server.port`` + 2k (and the learner's server
+URL) and the pack + credits pair at ``transport.base_port`` + 2k (torchrun ``--standalone`` and nccl weight sync
+pick free ports). Where the config places processes on GPUs (``rollout_server.gpus``, ``learner.gpus``) both
+become ``[g]`` (the launcher pins each child by CUDA_VISIBLE_DEVICES); a CPU config keeps its devices. A failed
+run goes to ``failed`` in the JSON and the others go on (exit 1). ``--deadline-s``: wall seconds for all runs;
+a run still going then is stopped (SIGTERM to its launcher, which tears its processes down), one that would
+not finish in what is left (the longest run's wall) is not started. ``quality.json`` is rewritten after every
+run; ``crowded`` in it: per arm the t-intervals over seeds of the last evaluation's recall, duplicate rate,
+per-class mAP, ... and F1 per GT-count bucket (``eval/f1_gt_<bucket>``).
+
 ``--quick`` (what ``make test`` runs, so the script cannot rot): a 4-second budget, one seed and one
 evaluation at each end — it checks the plumbing, not the quality.
 """
@@ -42,8 +53,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +64,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.config.load import load_config  # noqa: E402
 from common.evaluation.stats import paired_t_difference, t_interval  # noqa: E402
 from launcher.summary import read_split  # noqa: E402
 
@@ -67,32 +81,119 @@ def run_name(arm: str, seed: int, n_seeds: int) -> str:
     return arm if n_seeds == 1 else f"{arm}-s{seed}"
 
 
-def run_arm(name: str, args: argparse.Namespace, overrides: list[str], seed: int = 0) -> dict[str, Any]:
-    """Start one arm through the launcher (deadline: the budget plus start-up and evaluation room)."""
+def run_arm(name: str, args: argparse.Namespace, overrides: list[str], seed: int = 0, *,
+            slot: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    """Start one arm through the launcher (deadline: the budget plus start-up and evaluation room, or
+    ``timeout_s`` where shorter); ``slot``: the overrides of its GPU slot (:func:`slot_overrides`)."""
     folder = run_name(name, seed, args.seeds)
     out = Path(args.out) / folder
     argv = [sys.executable, "-m", "launcher", "--config", args.config, *ARMS[name], f"training.seed={seed}",
             f"training.output_dir={out}", f"run_name=bench-quality-{folder}", "learner.nproc_per_node=1",
             f"training.max_train_seconds={args.budget_s}", "training.max_steps=100000",
             f"training.eval_every_steps={args.eval_every}", "training.save_every_steps=0",
-            "training.overwrite=true", *overrides]  # a re-run moves the arm's previous run aside (never deletes)
+            "training.overwrite=true", *overrides,  # a re-run moves the arm's previous run aside (never deletes)
+            *(slot["overrides"] if slot else [])]
     launcher_out = Path(args.out) / f"{folder}.launcher.out"  # beside the run: the run dir may be moved aside
     launcher_out.parent.mkdir(parents=True, exist_ok=True)
+    deadline = args.budget_s * 3 + 300 if timeout_s is None else min(timeout_s, args.budget_s * 3 + 300)
     t0 = time.monotonic()
     with open(launcher_out, "w") as log:
-        proc = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=args.budget_s * 3 + 300)
+        rc = launch(argv, log, deadline)
     steps, evals = read_split(out)
-    if proc.returncode != 0 or not steps:
-        raise RuntimeError(f"arm {name} failed (exit {proc.returncode}, {len(steps)} step records); "
+    if rc != 0 or not steps:
+        why = f"stopped at its {deadline:.0f} s deadline" if rc is None else f"exit {rc}"
+        raise RuntimeError(f"arm {name} failed ({why}, {len(steps)} step records); "
                            f"see {launcher_out} and {out / 'logs'}")
-    return {**arm_figures(name, steps, evals, wall_s=time.monotonic() - t0), "seed": seed}
+    where = {k: slot[k] for k in ("slot", "gpu", "ports")} if slot else {}
+    return {**arm_figures(name, steps, evals, wall_s=time.monotonic() - t0), "seed": seed, **where}
+
+
+def launch(argv: list[str], log: Any, timeout_s: float, grace_s: float = 45.0) -> int | None:
+    """Run the launcher to its end; at ``timeout_s`` SIGTERM it (its teardown stops the server, actors and
+    torchrun, launcher/supervisor.py), SIGKILL after ``grace_s``. The exit code, None when it was stopped."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        return proc.wait(timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+
+
+#: Slot k's ports are the config's + PORT_STRIDE * k: the rank's pack + credits pair needs two.
+PORT_STRIDE = 2
+
+
+def slot_overrides(cfg: Any, k: int, gpu: str) -> dict[str, Any]:
+    """Slot ``k`` (on GPU ``gpu``): its ports and, where the config places processes on GPUs, that GPU
+    (module docstring). A dict of ``slot``, ``gpu``, ``ports`` and the launcher ``overrides``."""
+    srv = cfg.rollout_server
+    ports = {"rollout_server": srv.port + PORT_STRIDE * k, "transport": cfg.transport.base_port + PORT_STRIDE * k}
+    url = f"http://{srv.host}:{ports['rollout_server']}"
+    overrides = [f"rollout_server.port={ports['rollout_server']}", f"transport.base_port={ports['transport']}",
+                 f"rollout_matching.vllm.servers=[{{base_url: '{url}'}}]"]
+    if srv.gpus:
+        overrides.append(f"rollout_server.gpus=[{gpu}]")
+    if cfg.learner.gpus:
+        overrides.append(f"learner.gpus=[{gpu}]")
+    return {"slot": k, "gpu": gpu, "ports": ports, "overrides": overrides}
+
+
+def run_slots(jobs: list[tuple[int, str]], args: argparse.Namespace, overrides: list[str], slots: list[dict[str, Any]],
+              on_run: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run ``jobs`` ((seed, arm), seed-major) on ``slots`` concurrently, each slot one run at a time, taking the
+    next job in order; ``on_run(results, failed)`` after each. A failed or stopped run goes to ``failed``."""
+    todo: queue.Queue = queue.Queue()
+    for job in jobs:
+        todo.put(job)
+    results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    end = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+
+    def work(slot: dict[str, Any]) -> None:
+        while True:
+            try:
+                seed, name = todo.get_nowait()
+            except queue.Empty:
+                return
+            left = None if end is None else end - time.monotonic()
+            with lock:
+                need = max((r["wall_s"] for r in results), default=0.0)
+                late = left is not None and left < need
+                if late:
+                    failed.append({"arm": name, "seed": seed, "error": f"not started: {left:.0f} s left < {need:.0f}"})
+            if late:
+                continue
+            print(f"arm {name}, seed {seed} on slot {slot['slot']} (GPU {slot['gpu']}, ports {slot['ports']}): "
+                  f"{args.budget_s:g} learner seconds ...\n", end="", flush=True)  # one write: slots share stdout
+            try:
+                run = run_arm(name, args, overrides, seed, slot=slot, timeout_s=left)
+            except Exception as exc:  # one run's failure must not cost the table the others
+                print(f"arm {name}, seed {seed}: {exc}\n", end="", flush=True)
+                with lock:
+                    failed.append({"arm": name, "seed": seed, "error": str(exc), "slot": slot["slot"]})
+                    on_run(results, failed)
+                continue
+            with lock:
+                results.append(run)
+                on_run(results, failed)
+
+    threads = [threading.Thread(target=work, args=(slot,), name=f"slot-{slot['slot']}") for slot in slots]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, failed
 
 
 def larger_val_set(cfg_path: str, overrides: list[str], n_images: int) -> Path:
     """A validation JSONL of ``n_images`` from the training data's generator (module docstring): built once
     beside the training data, reused by later calls. ValueError when the training data has no synthetic manifest."""
-    from common.config.load import load_config
     from common.data.synthetic import MANIFEST, generate
 
     train = Path(load_config(cfg_path, [o for o in overrides if "=" in o]).data.train_jsonl)
@@ -175,7 +276,37 @@ def arm_figures(name: str, steps: list[dict[str, Any]], evals: list[dict[str, An
         "wait_for_rollouts_s": sum(r.get("time/wait_for_packs", 0.0) for r in steps),
         "curve": curve, "first": scored[0] if scored else None, "last": scored[-1] if scored else None,
         "best": max(scored, key=lambda c: c["f1"]) if scored else None,
+        "last_eval": {k: v for k, v in (evals[-1] if evals else {}).items()
+                      if k.startswith("eval/") and isinstance(v, (int, float)) and not isinstance(v, bool)},
     }
+
+
+#: The last evaluation's numbers that matter on crowded scenes (with every ``eval/f1_gt_<bucket>`` present).
+CROWDED_KEYS = ("eval/recall", "eval/precision", "eval/duplicate_rate", "eval/map_per_class", "eval/map_50_per_class",
+                "eval/parse_failure_rate", "eval/truncated_rate", "eval/objects_per_image", "eval/gt_per_image")
+
+
+def crowded_statistics(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm, per :data:`CROWDED_KEYS` and bucket F1 of the last evaluation: its t-interval over seeds."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        lasts = [r.get("last_eval", {}) for r in runs if r["arm"] == arm]
+        buckets = sorted({k for e in lasts for k in e if k.startswith("eval/f1_gt_")},
+                         key=lambda k: int(k.removeprefix("eval/f1_gt_").split("_")[0]))
+        out[arm] = {k: t_interval([e.get(k) for e in lasts]) for k in (*CROWDED_KEYS, *buckets)}
+    return out
+
+
+def crowded_table(crowded: dict[str, dict[str, Any]]) -> str:
+    """``arm  recall  dup rate  per-class mAP  F1 by GT count``: means over seeds ± the t-interval's half-width."""
+    def cell(d: dict[str, Any]) -> str:
+        return f"{d['mean']:.3f}" + ("" if d["low"] is None else f" ±{(d['high'] - d['low']) / 2:.3f}")
+
+    lines = ["last evaluation per arm (mean over seeds ± 95 % t half-width):"]
+    for arm, keys in crowded.items():
+        parts = [f"{k.removeprefix('eval/')} {cell(d)}" for k, d in keys.items() if d["mean"] is not None]
+        lines.append(f"  {arm:9} " + ", ".join(parts))
+    return "\n".join(lines)
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -258,9 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-images", type=int, default=None,
                     help="evaluate N images, from a validation set of that size generated beside the training data")
     ap.add_argument("--quick", action="store_true", help="4 s per arm, evaluation at the ends only: a smoke run")
+    ap.add_argument("--gpus", default=None, help="GPU slots, e.g. 0,1,2: runs go concurrently, one per slot, each "
+                    "with its own ports (module docstring); default: one run at a time, as the config places it")
+    ap.add_argument("--deadline-s", type=float, default=None, help="with --gpus: wall seconds for all runs")
     args, overrides = ap.parse_known_args(argv)
     if args.seeds < 1 or (args.val_images is not None and args.val_images < 1):
         ap.error("--seeds and --val-images must be >= 1")
+    if args.gpus is not None and not all(g.strip().isdigit() for g in args.gpus.split(",")):
+        ap.error(f"--gpus must look like 0,1,2, got {args.gpus!r}")
     arms = [a for a in args.arms.split(",") if a]
     if bad := [a for a in arms if a not in ARMS]:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
@@ -272,23 +408,42 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             ap.error(str(exc))
         overrides = [*overrides, f"data.val_jsonl={val}", f"training.eval_max_images={args.val_images}"]
-    results = []
-    for seed in range(args.seeds):  # seed-major: an interrupted run still has whole seeds of every arm
-        for name in arms:
+    out, order = Path(args.out), {a: i for i, a in enumerate(arms)}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(results: list[dict[str, Any]], failed: list[dict[str, Any]]) -> dict[str, Any]:
+        """quality.json of the runs so far (after every run: a stopped benchmark still leaves whole seeds)."""
+        results.sort(key=lambda r: (r["seed"], order[r["arm"]]))
+        payload = {"config": args.config, "budget_s": args.budget_s, "seeds": args.seeds,
+                   "val_images": args.val_images, "gpus": args.gpus, "overrides": overrides, "arms": results,
+                   "failed": failed, "statistics": statistics_of(results), "crowded": crowded_statistics(results)}
+        text = json.dumps(payload, indent=1)
+        for path in (out / "quality.json", *([Path(args.json)] if args.json else [])):
+            path.with_suffix(".json.tmp").write_text(text)
+            path.with_suffix(".json.tmp").replace(path)
+        return payload
+
+    jobs = [(seed, name) for seed in range(args.seeds) for name in arms]  # seed-major: whole seeds first
+    if args.gpus:
+        cfg = load_config(args.config, [o for o in overrides if "=" in o])
+        slots = [slot_overrides(cfg, k, g) for k, g in enumerate(args.gpus.split(","))]
+        results, failed = run_slots(jobs, args, overrides, slots, write)
+    else:
+        results, failed = [], []
+        for seed, name in jobs:
             print(f"arm {name}, seed {seed}: {args.budget_s:g} learner seconds ...", flush=True)
             results.append(run_arm(name, args, overrides, seed))
-    out = Path(args.out)
-    stats = statistics_of(results)
-    payload = {"config": args.config, "budget_s": args.budget_s, "seeds": args.seeds, "val_images": args.val_images,
-               "overrides": overrides, "arms": results, "statistics": stats}
-    (out / "quality.json").write_text(json.dumps(payload, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=1))
-    plot(results, out / "quality.png")
-    print(table(results))
-    print(stats_table(stats))
+            write(results, failed)
+    payload = write(results, failed)
+    if results:
+        plot(results, out / "quality.png")
+        print(table(results))
+        print(stats_table(payload["statistics"]))
+        print(crowded_table(payload["crowded"]))
+    for f in failed:
+        print(f"FAILED: arm {f['arm']}, seed {f['seed']}: {f['error']}")
     print(f"curves: {out / 'quality.png'}; figures: {out / 'quality.json'}")
-    return 0
+    return 1 if failed or not results else 0
 
 
 if __name__ == "__main__":

@@ -26,16 +26,46 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
       unsharded block gradients  (B + R) max(p, r)   one block's before its reduce-scatter, the root's to the end
     overlap snapshot            P b        weight_sync.mode overlap: one more copy of the weights (learner/weight_sync/overlap.py)
     sync chunk                  bucket_mb  transports other than http pack chunks on the GPU
-    activations                 one packed forward of T = packing_length tokens (one pack per micro-step):
-      text layers     T L (b (10 h + 4 i) + 16 h)    what a decoder layer keeps for backward, RMSNorm's fp32
-                                                     copies included; gradient checkpointing: T L b h + one layer;
-                                                     every Nth layer (gradient_checkpointing_every N): the
-                                                     ⌈L/N⌉ checkpointed layers T b h each, the rest whole, + one layer
-      vision layers   the same per patch, for IMAGE_TOKEN_SHARE of T as image tokens (merge² patches each)
-      logits          loss_head plain: (1 - IMAGE_TOKEN_SHARE) T V (b + 8)   logits, their fp32 copy and its
-                                                     gradient for every text token: an upper bound (only the
-                                                     supervised rows, the answers, are projected)
+    activations                 what one packed forward of T = packing_length tokens (one pack per micro-step)
+                                keeps for backward, at the step's peak:
+      a layer, whole  per token (text) or patch (vision), with h, i its hidden and MLP widths:
+                      training.compile: blocks   b (8 h + 3 i)   8 hidden-wide tensors (among them q, K and V
+                                                 repeated to the query heads for varlen attention, the attention
+                                                 output, the residual stream) and 3 MLP-wide ones (the gate and up
+                                                 outputs, one product): the compiled block's partitioner recomputes
+                                                 the norms and the SiLU in backward rather than keep them
+                      training.compile: none     b (8 h + 4 i) + 8 h   eager also keeps SiLU(gate), and each RMSNorm
+                                                 an fp32 copy of its input (4 h bytes, twice)
+                      (the widths' multiples are read off the measurements below, not traced tensor by tensor)
+                      measured per block (memory allocated after each block's forward, H200, torch 2.11,
+                      transformers 5.17, 12000-token packs of 1024-px images, 2026-11-27): compiled 98,900 B a token
+                      (3b decoder layer; formula 98,816), 171,250 (7b; 171,008), 41,416 a patch (vision block;
+                      41,000); eager 137,392 (137,216), 237,849 (237,568), 58,190 (58,080)
+      a layer, checkpointed   b h (its input); gradient_checkpointing_every N checkpoints the layers whose index
+                      is a multiple of N, counting the vision blocks first and the decoder layers after them
+                      (learner/model.py set_checkpointing); the last decoder layer, when checkpointed, is whole
+                      again while backward recomputes it (a vision block is recomputed only after the decoder's
+                      activations are freed)
+      vision          patches = T s merge² (s = image-token share of a pack, below), the vision tower's widths
+      inputs          b (2 h T + (6 patch² + 2 h_vision) patches + 4 merge² h_vision s T)   the embeddings, pixel
+                      values and patch embedding, the merger's inputs
+      loss head       loss_head plain: (1 - s) T V (b + 8)   logits, their fp32 copy and its gradient for every
+                                                     text token: an upper bound (only the supervised rows, the
+                                                     answers, are projected)
                       loss_head chunked: 4 CHUNK_BYTES   one vocabulary slice's working set (learner/loss.py)
+      the peak        with gradient accumulation (GA > 1) the gradients are there all through the forward: the
+                      gradients term + all of the above. With one micro-step per optimizer step the gradients
+                      are freed at every step (zero_grad(set_to_none=True)) and come back during backward, so
+                      the peak is the larger of the forward's end (all of the above, no gradients) and the
+                      vision tower's backward (all gradients + the vision tower's activations, one vision block
+                      recomputed, the inputs); the activations term is that peak less the gradients term
+      s               image tokens of an image n = max_pixels / (patch × merge)² (data.max_pixels, else the model's
+                      preprocessor_config.json, else Qwen2-VL's default 1280 × 28²) over n + IMAGE_TEXT_TOKENS (the
+                      prompt and answer beside each image): 1296 / (1296 + 700) = 0.65 at 1008-1024 px. Images
+                      smaller than max_pixels hold fewer tokens: the estimate is then on the safe side
+      measured against (docs/benchmarks.md sections 20 and 22; tests/test_gpu_budget.py): the 3b learner alone,
+                      every layer / every 2nd / none checkpointed: 33.7 / 65.2 / 102.3 GiB estimated, 31.33 /
+                      65.19 / 102.23 measured; end to end, 3b beside vLLM 43.7 vs 43.02, 7b 1 + 1 72.0 vs 70.41
     fixed                       1.5 GiB    CUDA context, cuBLAS workspaces, allocator slack (FIXED_BYTES)
 
 The server's share is ``gpu_memory_utilization`` × total (vLLM keeps its weights, activations, KV cache
@@ -43,10 +73,12 @@ and, since 0.21, its CUDA graphs inside it) plus, for transports other than http
 fast``, the fast load's two receive buffers of ~``bucket_mb`` outside it (docs/gpu.md).
 
 Example (configs/gpu/one_gpu.yaml): the 0.5b preset (1.02 B parameters with its 32-layer vision tower) in bf16,
-overlap sync, 2048-token packs, no checkpointing: 9.5 GiB of weights, gradients, AdamW and snapshot + 7.8 GiB of
-activations + 0.5 GiB sync chunk + 1.5 GiB = 19.3 GiB; an 80 GB H100 (79.6 GiB) at ``gpu_memory_utilization: 0.3``
-leaves it 54.8 GiB. A 28 GiB GPU is refused, naming ``gpu_memory_utilization ≤ 0.27`` as one way out; on 24 GiB
-no share leaves room for both the learner and the server's weights (the learner must shrink).
+overlap sync, 2048-token packs, no checkpointing, eager, its processor's 112 px images (16 image tokens, s = 0.02):
+9.5 GiB of weights, gradients, AdamW and snapshot + 3.1 GiB of activations + 0.5 GiB sync chunk + 1.5 GiB = 14.7 GiB;
+an 80 GB H100 (79.6 GiB) at ``gpu_memory_utilization: 0.3`` leaves it 54.8 GiB. A 20 GiB GPU is refused, naming
+``gpu_memory_utilization ≤ 0.21`` as one way out; on 18 GiB no share leaves room for both the learner and the
+server's weights (the learner must shrink). With Qwen2-VL's default processor (1280 image tokens, s = 0.65) the
+same run needs 12.0 GiB of activations, 23.6 GiB in all.
 
 What this module does not know: torch or CUDA (it reads JSON and safetensors headers; the one GPU query is
 ``nvidia-smi``), or what else runs on the GPU: only the server's configured share is subtracted.
@@ -64,6 +96,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.config.schema import Config
+from common.data import image_size
 
 log = logging.getLogger("tandem.launcher")
 
@@ -72,7 +105,9 @@ FIXED_BYTES = 3 * GIB // 2
 SERVER_FLOOR_BYTES = 2 * GIB  # a vLLM share below its weights + this (activations, CUDA graphs, a little KV cache) is no use
 #: learner/loss.py CHUNK_BYTES (this module imports no torch; tests/test_gpu_budget.py checks they agree).
 CHUNK_BYTES = 256 * 2**20
-IMAGE_TOKEN_SHARE = 0.25  # detection samples: a 448 px image is 256 tokens beside a few hundred answer tokens
+#: Text tokens beside each image in a detection pack (system and user prompt + the answer): the section-20 bench's
+#: packs held 6 images of 1,296 tokens in ~12,000 tokens, 704 text tokens an image (answers of 1..40 objects).
+IMAGE_TEXT_TOKENS = 700
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto = bf16 on CUDA (learner/model.py)
 
 
@@ -92,6 +127,14 @@ class ModelShape:
     merge: int = 2
     largest_block: int = 0
     root_params: int = 0
+    patch: int = 14
+    max_pixels: int = 0  # the processor's (preprocessor_config.json); 0 = unknown: Qwen2-VL's default
+
+    def image_tokens(self, max_pixels: int | None = None) -> int:
+        """Image tokens of the largest image: ``max_pixels`` (data.max_pixels) or the model's own, over the
+        merged patch's area."""
+        pixels = max_pixels or self.max_pixels or image_size.DEFAULT_MAX_PIXELS
+        return max(1, pixels // (self.patch * self.merge) ** 2)
 
     def fsdp_units(self) -> tuple[int, int]:
         """(largest block, root) parameters: from the headers, else from the shapes (MHA, gated MLP: an upper
@@ -141,35 +184,69 @@ def model_shape(model_dir: str | Path) -> ModelShape:
     v_hidden = int(vis.get("hidden_size") or vis.get("embed_dim") or 0)
     groups = safetensors_param_groups(model_dir)
     blocks = [n for unit, n in groups.items() if unit]
+    pixels = image_size.model_pixels(model_dir)
     return ModelShape(
         num_params=sum(groups.values()), largest_block=max(blocks, default=0), root_params=groups.get("", 0),
         layers=int(text["num_hidden_layers"]), hidden=hidden,
         intermediate=int(text.get("intermediate_size") or 4 * hidden), vocab=int(text["vocab_size"]),
         vision_layers=int(vis.get("depth") or 0) if v_hidden else 0, vision_hidden=v_hidden,
         vision_intermediate=int(vis.get("intermediate_size") or v_hidden * vis.get("mlp_ratio", 4)),
-        merge=int(vis.get("spatial_merge_size") or 2))
+        merge=int(vis.get("spatial_merge_size") or 2), patch=int(vis.get("patch_size") or 14),
+        max_pixels=pixels.max_pixels if pixels else 0)
 
 
-def _layer_bytes(hidden: int, intermediate: int, b: int) -> int:
-    """Bytes one decoder/ViT layer keeps per token for backward (module docstring)."""
-    return b * (10 * hidden + 4 * intermediate) + 16 * hidden
+def _layer_bytes(hidden: int, intermediate: int, b: int, compiled: bool) -> int:
+    """Bytes a whole decoder/ViT layer keeps per token (patch) for backward (module docstring)."""
+    if compiled:
+        return b * (8 * hidden + 3 * intermediate)
+    return b * (8 * hidden + 4 * intermediate) + 8 * hidden
 
 
-def _stack_bytes(tokens: float, layers: int, hidden: int, intermediate: int, b: int, every: int) -> float:
-    """One stack's activations with every ``every``-th layer checkpointed (0: none; module docstring)."""
-    if not layers:
+def _checkpointed(first: int, layers: int, every: int) -> list[bool]:
+    """Which of a stack's layers recompute: global index (vision blocks first) a multiple of ``every`` (0: none)."""
+    return [bool(every) and i % every == 0 for i in range(first, first + layers)]
+
+
+def _stack_bytes(n: float, flags: list[bool], per_layer: int, b: int, hidden: int) -> float:
+    """One stack's activations at the end of the forward: ``b hidden`` a token for a checkpointed layer, the
+    whole ``per_layer`` for the rest."""
+    return n * sum(b * hidden if ckpt else per_layer for ckpt in flags)
+
+
+def image_token_share(cfg: Config, shape: ModelShape) -> float:
+    """s of the module docstring: the share of a pack's tokens that are image tokens (0 without a vision tower)."""
+    if not shape.vision_layers:
         return 0.0
-    per_layer = _layer_bytes(hidden, intermediate, b)
-    checkpointed = -(-layers // every) if every else 0
-    whole = layers - checkpointed + (1 if checkpointed else 0)  # + the layer being recomputed in backward
-    return tokens * (checkpointed * b * hidden + whole * per_layer)
+    n = shape.image_tokens(cfg.data.max_pixels)
+    return n / (n + IMAGE_TEXT_TOKENS)
+
+
+def activation_bytes(cfg: Config, shape: ModelShape, b: int) -> tuple[float, float]:
+    """(at the end of the forward, during the vision tower's backward without the gradients): module docstring."""
+    t = cfg.training
+    tokens, every = t.global_max_length, (t.gradient_checkpointing_every if t.gradient_checkpointing else 0)
+    compiled = t.compile == "blocks"
+    share = image_token_share(cfg, shape)
+    patches = tokens * share * shape.merge ** 2
+    text_layer = _layer_bytes(shape.hidden, shape.intermediate, b, compiled)
+    vision_layer = _layer_bytes(shape.vision_hidden, shape.vision_intermediate, b, compiled)
+    v_flags = _checkpointed(0, shape.vision_layers, every)
+    t_flags = _checkpointed(shape.vision_layers, shape.layers, every)
+    vision = _stack_bytes(patches, v_flags, vision_layer, b, shape.vision_hidden)
+    text = _stack_bytes(tokens, t_flags, text_layer, b, shape.hidden)
+    inputs = b * 2 * shape.hidden * tokens  # the token embeddings
+    if shape.vision_layers:  # pixel values and the patch embedding; the merger's inputs, merge² patches an image token
+        inputs += b * ((6 * shape.patch ** 2 + 2 * shape.vision_hidden) * patches
+                       + 4 * shape.merge ** 2 * shape.vision_hidden * share * tokens)
+    forward_end = (vision + text + inputs + (tokens * text_layer if t_flags and t_flags[-1] else 0)
+                   + _logits_bytes(t.loss_head, tokens, shape.vocab, b, share))
+    vision_backward = vision + inputs + (patches * vision_layer if any(v_flags) else 0)
+    return forward_end, vision_backward
 
 
 def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
     """The learner rank's estimated GPU memory, term by term (bytes)."""
-    b, t = DTYPE_BYTES[cfg.model.dtype], cfg.training
-    tokens, every = t.global_max_length, (t.gradient_checkpointing_every if t.gradient_checkpointing else 0)
-    patches = tokens * IMAGE_TOKEN_SHARE * shape.merge ** 2
+    b = DTYPE_BYTES[cfg.model.dtype]
     p, lrn = shape.num_params, cfg.learner
     world = lrn.nnodes * lrn.nproc_per_node
     if lrn.parallel == "fsdp":
@@ -182,20 +259,21 @@ def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
         terms["overlap snapshot"] = p * b
     if cfg.weight_sync.transport != "http":
         terms["sync chunk"] = cfg.weight_sync.bucket_mb << 20
-    terms["activations"] = int(_stack_bytes(tokens, shape.layers, shape.hidden, shape.intermediate, b, every)
-                               + _stack_bytes(patches, shape.vision_layers, shape.vision_hidden,
-                                              shape.vision_intermediate, b, every)
-                               + _logits_bytes(t.loss_head, tokens, shape.vocab, b))
+    forward_end, vision_backward = activation_bytes(cfg, shape, b)
+    activations = forward_end
+    if "gradients" in terms and cfg.derived.gradient_accumulation_steps == 1:  # no gradients during the forward
+        activations = max(forward_end - terms["gradients"], vision_backward)
+    terms["activations"] = int(activations)
     terms["fixed"] = FIXED_BYTES
     return terms
 
 
-def _logits_bytes(loss_head: str, tokens: int, vocab: int, b: int) -> float:
+def _logits_bytes(loss_head: str, tokens: int, vocab: int, b: int, share: float) -> float:
     """The loss head's share of the activations (module docstring). Measured (docs/benchmarks.md section 20, 3b,
     12000 tokens, H100): the chunked head's step peaked 0.8 GiB below the plain head's."""
     if loss_head == "chunked":
         return 4 * CHUNK_BYTES
-    return (1 - IMAGE_TOKEN_SHARE) * tokens * vocab * (b + 8)
+    return (1 - share) * tokens * vocab * (b + 8)
 
 
 def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int) -> dict[str, int]:

@@ -61,7 +61,8 @@ def test_the_memory_estimate_counts_the_layers_that_keep_their_activations():
     every_all = act("training.gradient_checkpointing=true", f"training.gradient_checkpointing_every={10 ** 6}")
     assert every1 < every2 < none
     assert every2 == pytest.approx((none + every1) / 2, rel=0.1), "half the layers keep their activations"
-    assert every_all >= none, "one checkpointed layer per stack saves nothing: it is whole again while recomputed"
+    # only vision block 0 recomputes, and last, once the rest is freed: it saves its activations less its input
+    assert every_all < none and every_all == pytest.approx(none, rel=0.1)
     assert act("training.gradient_checkpointing_every=2") == none, "without gradient_checkpointing it counts nothing"
 
 

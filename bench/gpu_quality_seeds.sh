@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# The crowded quality table with seeds on several GPUs, in ONE call of a bare machine (issue 34), from the repo root:
+#   tiny preset (native 168 px) -> crowded data -> Stage-1 warm start for WS_BUDGET_S wall seconds
+#   -> bench/bench_quality.py --gpus: SEEDS x (A-only, async AB, step), one run per GPU at a time,
+#      configs/gpu/quality_crowded_1gpu.yaml (an hf server and the learner share the run's GPU), VAL_IMAGES images.
+#
+#   bash bench/gpu_quality_seeds.sh                                  # 3 GPUs, ~430 s
+#   WS_BUDGET_S=40 WS_BATCH=4 BUDGET_S=8 SEEDS=1 GPUS=0,1 VAL_IMAGES=16 N_TRAIN=256 TOTAL_S=900 \
+#       bash bench/gpu_quality_seeds.sh                              # CPU smoke, ~4 min on 2 cores
+#   python3 bench/run_scenario.py quality-gpu-seeds [--set SEEDS=5]  # the same as a named scenario
+#
+# Knobs (environment): GPUS (slots, 0,1,2), SEEDS (3), ARMS (a_only,async_ab,step), BUDGET_S (learner seconds
+# per run, 30), EVAL_EVERY (steps between evaluations, 0: the two ends only), LR (Stage-2 lr, 2e-5), VAL_IMAGES
+# (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (16), N_TRAIN
+# (1536: ~14 ms an image to draw on one core), TOTAL_S (470: the benchmark's deadline is what is left of it, so
+# results come back in time), OUT.
+# Without CUDA the runs go to the CPU (the slots are then port sets only): the smoke test of this script.
+# Every stage runs under a deadline and quality.json is rewritten after every run, so a slow stage still
+# leaves whole seeds. The warm start's F1 is the first evaluation of the step arm (ver 1: its weights).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+GPUS=${GPUS:-0,1,2}
+SEEDS=${SEEDS:-3}
+ARMS=${ARMS:-a_only,async_ab,step}
+BUDGET_S=${BUDGET_S:-30}
+EVAL_EVERY=${EVAL_EVERY:-0}
+LR=${LR:-2e-5}
+VAL_IMAGES=${VAL_IMAGES:-512}
+WS_BUDGET_S=${WS_BUDGET_S:-140}
+WS_LR=${WS_LR:-2e-3}
+WS_BATCH=${WS_BATCH:-16}
+N_TRAIN=${N_TRAIN:-1536}
+TOTAL_S=${TOTAL_S:-470}
+OUT=${OUT:-runs/gpu-quality-seeds}
+CONFIG=configs/gpu/quality_crowded_1gpu.yaml
+WORK=/tmp/gpu-quality-seeds                  # model, warm start, run directories (not all of it comes back)
+BASE=$WORK/model DET=$WORK/det DATA=$WORK/data/crowded
+mkdir -p "$OUT" "$WORK"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+exec 3>&1                                     # the log, for stage lines whose command's output goes elsewhere
+export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+STAGES=$OUT/stages.txt
+: > "$STAGES"
+
+ts() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
+stage() {  # stage NAME DEADLINE_S CMD...: run under a deadline, record its seconds and exit code
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  ts "$name (deadline ${limit}s): $*" >&3
+  timeout -k 10 "$limit" "$@"
+  rc=$?
+  echo "$name $((SECONDS - t0)) s rc=$rc" | tee -a "$STAGES" >&3
+  return $rc
+}
+left() { echo $((TOTAL_S - SECONDS)); }
+
+ON_GPU=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+DEVICE=()
+if [ "$ON_GPU" = 1 ]; then
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader || true
+  ( while true; do
+      echo "$(date +%H:%M:%S) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader | tr '\n' ' ')"
+      sleep 5
+    done ) > "$OUT/gpu_mem.txt" 2>&1 &
+  GPU_MON=$!
+else
+  ts "no CUDA: every process on the CPU; the slots $GPUS are port sets"
+  DEVICE=(rollout_server.device=cpu rollout_server.gpus=null learner.gpus=null learner.backend=gloo)
+fi
+
+collect() {
+  rc=$?
+  [ -n "${GPU_MON:-}" ] && kill "$GPU_MON" 2>/dev/null
+  [ -n "${VAL_PID:-}" ] && kill "$VAL_PID" 2>/dev/null
+  ts "collecting (exit $rc)"
+  for f in tandem_build.json warm_start_metrics.jsonl; do
+    [ -f "$DET/$f" ] && cp "$DET/$f" "$OUT/warm_$f"
+  done
+  [ -f "$WORK/bq/quality.png" ] && cp "$WORK/bq/quality.png" "$OUT/quality.png"
+  (cd "$WORK" && tar czf "$OUT/details.tgz" --exclude='checkpoints' --exclude='*.safetensors' bq ws-cal.out \
+      ws.out 2>/dev/null)
+  cat "$STAGES"
+  ls -la "$OUT"
+  exit $rc
+}
+trap collect EXIT
+
+stage model 120 python3 tools/make_tiny_model.py --preset tiny --max-pixels 28224 --out "$BASE" || exit 1
+stage data 180 python3 -m common.data.synthetic --crowded --out "$DATA" --split "$N_TRAIN/64" --seed 0 || exit 1
+DATA_KEYS=(data.train_jsonl="$DATA/train.jsonl" data.val_jsonl="$DATA/val.jsonl")
+# The validation set of VAL_IMAGES (bench_quality.larger_val_set: it renders the training records again
+# beside it) is drawn on the CPU while the warm start trains; the benchmark then finds it built.
+timeout -k 5 240 python3 -c "import sys; sys.path.insert(0, 'bench'); import bench_quality as bq
+print('validation set:', bq.larger_val_set('$CONFIG', sys.argv[1:], $VAL_IMAGES))" "${DATA_KEYS[@]}" \
+    > "$WORK/val.out" 2>&1 &
+VAL_PID=$!
+
+# Stage-1 warm start for WS_BUDGET_S wall seconds: the warm start counts steps, not seconds, so a 12-step
+# calibration measures the step and the start-up, and the real one gets the steps that fit what is left.
+WS_KEYS=(model.path="$BASE" model.dtype=float32 "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
+         training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=16384 training.log_every_steps=1)
+T_WS=$SECONDS
+rm -rf "$WORK/det-cal"
+stage warm-calibration "$WS_BUDGET_S" python3 -m learner.warm_start --config configs/warm_start_cpu.yaml \
+    --out "$WORK/det-cal" "${WS_KEYS[@]}" training.max_steps=12 training.warmup_steps=4 > "$WORK/ws-cal.out" 2>&1
+tail -n 2 "$WORK/ws-cal.out"
+WS_STEPS=$(python3 - "$WORK/det-cal" $((WS_BUDGET_S - (SECONDS - T_WS))) $((SECONDS - T_WS)) <<'EOF'
+import json, statistics, sys
+folder, left, cal_wall = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+try:
+    recs = [json.loads(line) for line in open(folder + "/warm_start_metrics.jsonl")]
+    step_s = statistics.median(r["time/step"] for r in recs[2:])
+    start_s = max(cal_wall - recs[-1]["time/elapsed"], 5.0)  # imports, CUDA, model load, save
+except (OSError, ValueError, KeyError, statistics.StatisticsError) as exc:
+    print(f"calibration unreadable ({exc}): no warm start beyond it", file=sys.stderr)
+    print(0)
+    raise SystemExit
+steps = int((left - start_s - 5) / step_s)
+print(f"calibration: {step_s * 1000:.0f} ms a step, {start_s:.0f} s start-up and save; {left:.0f} s left "
+      f"-> {steps} steps", file=sys.stderr)
+print(min(steps, 50000) if steps >= 50 else 0)  # 0: no time left, the calibration model is the warm start
+EOF
+)
+if [ "$WS_STEPS" -gt 0 ]; then
+  ts "warm start: $WS_STEPS steps of $WS_BATCH at lr $WS_LR"
+  stage warm-start $((WS_BUDGET_S - (SECONDS - T_WS) + 30)) python3 -m learner.warm_start \
+      --config configs/warm_start_cpu.yaml --out "$DET" "${WS_KEYS[@]}" training.max_steps="$WS_STEPS" \
+      training.warmup_steps=20 > "$WORK/ws.out" 2>&1
+  tail -n 2 "$WORK/ws.out"
+fi
+for fallback in "$WORK/det-cal" "$BASE"; do  # late or failed: a weaker start still gives the table
+  [ -f "$DET/config.json" ] && break
+  ts "no warm start at $DET: the arms start from $fallback"
+  DET=$fallback
+done
+python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['result']; print('warm start result:', json.dumps(b))" \
+    "$DET/tandem_build.json" 2>/dev/null || true
+wait "$VAL_PID"; VAL_PID=
+cat "$WORK/val.out"
+
+# The arms: SEEDS x ARMS on the GPU slots; what is left of TOTAL_S (less room to collect) is their deadline.
+BENCH_S=$(( $(left) - 25 ))
+rm -rf "$WORK/bq"
+stage bench "$((BENCH_S + 20))" python3 bench/bench_quality.py --config "$CONFIG" --gpus "$GPUS" --seeds "$SEEDS" \
+    --arms "$ARMS" --val-images "$VAL_IMAGES" --budget-s "$BUDGET_S" --eval-every "$EVAL_EVERY" \
+    --deadline-s "$((BENCH_S - 30))" --out "$WORK/bq" --json "$OUT/quality.json" \
+    model.path="$DET" "${DATA_KEYS[@]}" training.lr="$LR" "${DEVICE[@]}"
+python3 - "$OUT/quality.json" <<'EOF' || true
+import json, sys
+q = json.load(open(sys.argv[1]))
+for r in q["arms"]:
+    if r["arm"] == "step" and r["first"]:
+        print(f"warm start (the step arm's first evaluation, seed {r['seed']}): F1@0.5 {r['first']['f1']:.3f} "
+              f"on {q['val_images']} images")
+        break
+EOF
+ts done
