@@ -66,6 +66,9 @@ pytestmark = [
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 LEARNER_GPU = 1 if TWO_GPUS else 0
+#: The server runs on the first GPU this process sees (the physical id: its own CUDA_VISIBLE_DEVICES is absolute), so
+#: ``CUDA_VISIBLE_DEVICES=3 pytest ...`` keeps server and learner on GPU 3 while other work uses the rest.
+SERVER_GPU = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
 needs_nccl = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 GPUs: the NCCL sync path (one GPU cannot hold both "
                                                      "ends of an NCCL group; the HTTP path runs instead)")
 # TANDEM_GPU_FAMILY=qwen3-vl runs every test on the Qwen3-VL 2b preset instead (its smallest real shape).
@@ -88,11 +91,12 @@ def model_dir() -> Path:
 
 
 def vllm_server(model_dir: Path, *, enforce_eager: bool):
-    """``configs/gpu/split_1p1.yaml``'s server on GPU 0 at 0.3 of its memory (room for the learner beside it)."""
+    """``configs/gpu/split_1p1.yaml``'s server on :data:`SERVER_GPU` at 0.3 of its memory (room for the learner
+    beside it)."""
     overrides = ["rollout_server.gpu_memory_utilization=0.3", "rollout_server.sync_idle_timeout_s=60",
                  f"rollout_server.enforce_eager={str(enforce_eager).lower()}"]
     return rollout_server_process(model_dir, overrides, config=REPO / "configs/gpu/split_1p1.yaml", log_level=None,
-                                  env={"CUDA_VISIBLE_DEVICES": "0"}, deadline_s=400, print_log_tail=60)
+                                  env={"CUDA_VISIBLE_DEVICES": SERVER_GPU}, deadline_s=400, print_log_tail=60)
 
 
 @pytest.fixture(scope="module")
