@@ -99,7 +99,7 @@ VAL_PID=$!
 
 # Stage-1 warm start for WS_BUDGET_S wall seconds: the warm start counts steps, not seconds, so a 12-step
 # calibration measures the step and the start-up, and the real one gets the steps that fit what is left.
-WS_KEYS=(model.path="$BASE" model.dtype=float32 "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
+WS_KEYS=(model.path="$BASE" model.dtype=float32 model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
          training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=16384 training.log_every_steps=1)
 T_WS=$SECONDS
 rm -rf "$WORK/det-cal"

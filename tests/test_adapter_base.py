@@ -17,6 +17,7 @@ from common.weight_sync import packed as P
 from common.weight_sync import weights as W
 from common.weight_sync.shared import SHM_DIR
 from learner.recipe import adapter_push, merged_weight
+from learner.weight_sync.base import SyncReport
 from learner.weight_sync.session import SyncError
 from rollout_server.engines.adapter_base import AdapterStage, base_weights, layer_shapes, load_hf_model
 from rollout_server.engines.adapter_merge import AdapterMerger
@@ -172,7 +173,7 @@ def test_a_server_that_refuses_the_adapter_session_gets_merged_pushes_logged_and
             if adapter is not None:
                 raise SyncError("init", "/sync/init -> HTTP 400: adapter: the vllm engine merges a pushed adapter "
                                 "over transport http only", 400)
-            return SimpleNamespace(ver=5, fence_s=0.0, wire_s=0.0, commit_s=0.0, bytes=10, skipped_bytes=0)
+            return SyncReport(ver=5, fence_s=0.0, wire_s=0.0, commit_s=0.0, total_s=0.0, bytes=10, n_buckets=1, fingerprint="b")
 
         def close(self):
             pass

@@ -74,3 +74,39 @@ def test_without_the_bound_the_same_storm_finishes_no_batch(monkeypatch):
     finished, syncs, running = asyncio.run(_batches(fence, n=4, storm_s=1.0))
     assert finished == [] and running == 4, finished
     assert fence.reruns >= 4 * 3 and fence.spared == 0, (fence.reruns, fence.spared, len(syncs))
+
+
+def test_a_sync_that_drains_a_rerun_batch_says_so_in_its_begin_response(tiny_model_dir):
+    """``SyncBeginResponse.spared``: the second of two abort-mode syncs meets the batch the first one cut, drains it
+    (MAX_CUTS) and reports it, so a long fence in a learner's metrics (``sync/fence_spared``) names its cause."""
+    from common.weight_sync.messages import SyncAbortRequest, SyncBeginRequest, SyncInitRequest
+    from rollout_server.engines.hf import HFEngine
+    from rollout_server.weight_sync.session import SyncController
+
+    async def main() -> list:
+        engine = HFEngine(str(tiny_model_dir), device="cpu")
+        await engine.start()
+        fence = Fence()
+        sync = SyncController(engine, fence, idle_timeout_s=60)
+        started = asyncio.Event()
+
+        async def work() -> None:
+            started.set()
+            await asyncio.sleep(WORK_S)
+
+        batch = asyncio.create_task(fence.run(work, timeout_s=10))
+        replies = []
+        for _ in range(2):
+            await started.wait()
+            started.clear()
+            opened = await sync.init(SyncInitRequest(client="test", transport="http"))
+            replies.append(await sync.begin(SyncBeginRequest(session=opened.session, mode="abort", timeout_s=10)))
+            await sync.abort(SyncAbortRequest(session=opened.session, reason="test"))
+        ticket, _ = await batch
+        return [replies, ticket.cuts]
+
+    (first, second), cuts = asyncio.run(main())
+    assert (first.aborted, first.spared) == (1, 0), first
+    assert (second.aborted, second.drained, second.spared) == (0, 1, 1), second
+    assert cuts == fence_mod.MAX_CUTS
+    assert second.fence_s >= WORK_S / 2, "the second fence waited for the re-run: the wait spared reports"

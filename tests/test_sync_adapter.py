@@ -13,7 +13,7 @@ from common.config.load import ConfigError, load_config
 from common.weight_sync import weights as W
 from learner.recipe import adapter_push, frozen_names
 from learner.weight_sync.session import SyncError
-from learner.weight_sync.base import cast_stream, plan
+from learner.weight_sync.base import SyncReport, cast_stream, plan
 from learner.weight_sync.boundary import named_weights
 from learner.weight_sync.http import HttpWeightSender
 from tests.server_proc import rollout_server_process
@@ -157,7 +157,7 @@ def test_after_a_server_refuses_a_push_that_kept_frozen_weights_every_later_push
             calls.append((list(skip), adapter))
             if skip or adapter is not None:
                 raise SyncError("commit", "/sync/commit -> HTTP 400: staged weights fingerprint a != learner's b")
-            return SimpleNamespace(ver=7, fence_s=0.0, wire_s=0.0, commit_s=0.0, bytes=10, skipped_bytes=0)
+            return SyncReport(ver=7, fence_s=0.0, wire_s=0.0, commit_s=0.0, total_s=0.0, bytes=10, n_buckets=1, fingerprint="b")
 
         def close(self):
             pass

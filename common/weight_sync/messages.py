@@ -205,7 +205,7 @@ class SyncBeginResponse(_Message):
     """Reply to ``/sync/begin`` once no request runs on the engine.
 
     Example:
-        {"ver_before": 3, "drained": 12, "aborted": 0, "fence_s": 0.8}
+        {"ver_before": 3, "drained": 12, "aborted": 0, "fence_s": 0.8, "spared": 0}
     """
 
     ver_before: int = Field(ge=0, le=MAX_VER)
@@ -216,6 +216,9 @@ class SyncBeginResponse(_Message):
     """In-flight requests cut (``abort`` mode); their clients resubmit."""
     fence_s: float = Field(ge=0)
     """Seconds from the begin call to a quiet engine."""
+    spared: int = Field(0, ge=0)
+    """Of ``drained``: re-runs of batches an earlier abort-mode fence had cut, drained rather than cut again
+    (``rollout_server/fence.py`` MAX_CUTS). A long fence with ``spared`` > 0 waited for such a re-run."""
 
 
 class SyncBucketHeader(_Message):

@@ -68,6 +68,7 @@ class SyncReport:
     ver_before: int = 0
     drained: int = 0
     aborted: int = 0
+    spared: int = 0  # of drained: re-runs an earlier abort fence had cut (SyncBeginResponse.spared)
     server_update_s: float | None = None  # NCCL path: the server's own time for /sync/update (receive + load)
     server_load: dict | None = None  # NCCL path: how the engine loaded it (SyncBucketResponse.load)
     skipped_bytes: int = 0  # served bytes (serving dtype) not sent in full: frozen, or merged on the server
@@ -301,7 +302,7 @@ class PushSender(abc.ABC):
         report = SyncReport(ver=done.ver, fence_s=t2 - t1, wire_s=t3 - t2, commit_s=t4 - t3, total_s=t4 - t0,
                             bytes=sent.bytes, n_buckets=sent.n_buckets, fingerprint=done.fingerprint,
                             ver_before=begun.ver_before, drained=begun.drained, aborted=begun.aborted,
-                            server_update_s=sent.server_update_s, server_load=sent.server_load,
+                            spared=begun.spared, server_update_s=sent.server_update_s, server_load=sent.server_load,
                             skipped_bytes=skipped_bytes, n_skipped=len(unsent))
         log.info("weights synced to %s over %s%s: ver %d, %d bucket(s), %.1f MB (%.1f MB of %d served tensor(s) not "
                  "sent: %s), fence %.3fs wire %.3fs (%.2f GB/s) commit %.3fs, fingerprint %s", self.base_url,

@@ -368,7 +368,8 @@ class WeightSync:
         :meth:`_follow` sees one plan per server whatever fails. A failed gather is fatal (GatherError).
         """
         metrics = {"time/sync_fence": 0.0, "time/sync_wire": 0.0, "time/sync_commit": 0.0, "sync/bytes": 0.0,
-                   "sync/skipped_bytes": 0.0}
+                   "sync/skipped_bytes": 0.0, "sync/fence_drained": 0.0, "sync/fence_aborted": 0.0,
+                   "sync/fence_spared": 0.0}
         vers: list[int] = []
         floor = ver + 1  # ver continues from max(server ver, learner/checkpoint ver) + 1; servers converge
         for i, url in enumerate(self.servers):
@@ -422,6 +423,9 @@ class WeightSync:
             vers.append(int(report.ver))  # the client logged the phases and both fingerprints
             floor = max(floor, int(report.ver))
             metrics["time/sync_fence"] += report.fence_s
+            metrics["sync/fence_drained"] += report.drained
+            metrics["sync/fence_aborted"] += report.aborted
+            metrics["sync/fence_spared"] += report.spared
             metrics["time/sync_wire"] += report.wire_s
             metrics["time/sync_commit"] += report.commit_s
             metrics["sync/bytes"] += report.bytes

@@ -250,7 +250,9 @@ class SyncController:
             t0 = time.monotonic()
             in_flight = await self.fence.close()
             self.state = SyncState.FENCED
+            spared_before = self.fence.spared
             aborted = self.fence.abort_inflight() if req.mode == "abort" else 0
+            spared = self.fence.spared - spared_before
             try:
                 await self.fence.wait_quiet(req.timeout_s)
             except TimeoutError:
@@ -261,10 +263,11 @@ class SyncController:
             s.fence_s = s.fence_done - t0
             if self.metrics is not None:
                 self.metrics.sync_seconds.labels(phase="fence").observe(s.fence_s)
-            log.info("sync %s: fence closed (%s) in %.3fs, drained %d, aborted %d",
-                     s.id, req.mode, s.fence_s, in_flight - aborted, aborted)
+            log.info("sync %s: fence closed (%s) in %.3fs, drained %d, aborted %d%s",
+                     s.id, req.mode, s.fence_s, in_flight - aborted, aborted,
+                     f" ({spared} drained re-run(s) of batches cut by an earlier fence)" if spared else "")
             return SyncBeginResponse(ver_before=self.fence.ver, drained=in_flight - aborted, aborted=aborted,
-                                     fence_s=s.fence_s)
+                                     fence_s=s.fence_s, spared=spared)
 
     async def bucket(self, header: SyncBucketHeader, body: torch.Tensor) -> SyncBucketResponse:
         """One HTTP bucket: ``body`` is the received bytes (a flat uint8 tensor), the tensors packed end to end."""
