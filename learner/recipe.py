@@ -202,7 +202,9 @@ def frozen_names(model: torch.nn.Module) -> list[str]:
 def adapter_push(model: torch.nn.Module) -> Any:
     """The adapter a ``model.adapter.sync: adapter`` push sends (:class:`learner.weight_sync.base.AdapterPush`): its shape
     and, per adapted layer, ``<layer>.lora_A.weight``, ``<layer>.lora_B.weight`` and (DoRA)
-    ``<layer>.lora_magnitude_vector.weight``, the tensors as trained (the server merges in their dtype)."""
+    ``<layer>.lora_magnitude_vector.weight``, the tensors as trained (the server merges in their dtype). Under
+    FSDP2 they are the sharded DTensors (detached), which the push gathers when they travel (every rank calls
+    this: the gather plan indexes them; learner/weight_sync/boundary.py ``_sharded_source``)."""
     from peft.tuners.lora import Linear as LoraLinear
 
     from common.weight_sync.messages import AdapterSpec

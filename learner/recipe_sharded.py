@@ -1,5 +1,8 @@
 """An adapter-trained policy sharded by FSDP2 (``learner.parallel: fsdp`` with ``model.adapter``): the merged
-weights a ``model.adapter.sync: merged`` push serves, computed on rank 0 from tensors gathered whole.
+weights a ``model.adapter.sync: merged`` push serves, computed on rank 0 from tensors gathered whole. A
+``model.adapter.sync: adapter`` push computes the same merges for its fingerprint only (the server merges its
+own base; the fingerprint covers the complete served model), gathered aside and never sent
+(learner/weight_sync/sharded.py).
 
 Under FSDP2 an adapted layer's base weight W, ``lora_A``, ``lora_B`` (and DoRA's magnitude m) are DTensors,
 each sharded on dim 0 over the ranks. W + ΔW needs them whole (ΔW = B·A mixes every row of B with every column

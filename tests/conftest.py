@@ -137,9 +137,9 @@ INTEGRATION_FILES = frozenset({
     "test_recipe_fsdp.py", "test_recipe_fsdp_adapter.py", "test_recipe_resume.py", "test_rollout_client.py",
     "test_rollout_server.py", "test_run_bookkeeping.py", "test_server_bad_input.py", "test_server_rejoin.py",
     "test_server_untrusted_input.py", "test_stage_b_dist.py", "test_supervisor.py", "test_sync_adapter.py",
-    "test_sync_fsdp.py", "test_sync_ipc.py", "test_sync_stream.py", "test_synthetic_crowded.py",
-    "test_tiny_detector.py", "test_transport.py", "test_ver_continuity.py", "test_warm_start.py",
-    "test_weights_digest.py",
+    "test_sync_fsdp.py", "test_sync_fsdp_adapter.py", "test_sync_ipc.py", "test_sync_stream.py",
+    "test_synthetic_crowded.py", "test_tiny_detector.py", "test_transport.py", "test_ver_continuity.py",
+    "test_warm_start.py", "test_weights_digest.py",
 })
 
 

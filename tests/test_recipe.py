@@ -125,11 +125,11 @@ def test_adapter_keys_are_checked_at_load_and_unserved_modes_are_refused():
     assert cfg.model.adapter.type == "dora" and cfg.model.adapter.target_modules == ["q_proj", "v_proj"]
     cfg = load_config(DEMO, ["model.adapter.type=dora", "learner.parallel=fsdp"])  # merged sync: FSDP2 takes it
     assert cfg.learner.parallel == "fsdp" and cfg.model.adapter.sync == "merged"
-    for overrides, words in ((["model.adapter.type=lora", "model.adapter.sync=adapter", "rollout_server.engine=vllm"],
-                              "model.adapter.sync: merged"),
+    cfg = load_config(DEMO, ["model.adapter.type=dora", "model.adapter.sync=adapter", "learner.parallel=fsdp"])
+    assert cfg.learner.parallel == "fsdp" and cfg.model.adapter.sync == "adapter"  # a sharded adapter session
+    for overrides, words in ((["model.adapter.type=lora", "model.adapter.sync=adapter", "rollout_server.engine=vllm",
+                               "weight_sync.transport=nccl"], "set weight_sync.transport: http"),
                              (["model.adapter.type=lora", "model.adapter.rank=0"], "model.adapter.rank"),
-                             (["model.adapter.type=lora", "model.adapter.sync=adapter", "learner.parallel=fsdp"],
-                              "model.adapter.sync: merged under learner.parallel: fsdp"),
                              (["model.adapter.rank=8"], "model.adapter.type")):
         with pytest.raises(ConfigError) as err:
             load_config(DEMO, overrides)

@@ -11,6 +11,7 @@ cast to the server's manifest, hashed with ``exact_digest``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,45 @@ SMALL_BUCKET = 256 << 10  # several buckets for the 3.3 MB tiny model
 
 
 # ----------------------------------------------------------------------------------------------- rank worker
+
+
+@contextlib.contextmanager
+def rank_result(dist, out: str):
+    """The rank's result dict, written to ``out/rank<r>.json`` whatever happens (a traceback under ``error``);
+    on success the ranks' closing all-reduce (``aligned``) first. Used by tests/test_sync_fsdp_adapter.py too."""
+    result: dict = {"rank": dist.rank}
+    try:
+        yield result
+        result["aligned"] = dist.all_reduce([1], "sum", "the test's closing all-reduce")[0]
+    except BaseException as exc:
+        import traceback
+
+        result["error"] = traceback.format_exc()
+        raise SystemExit(f"rank {dist.rank}: {exc}") from exc
+    finally:
+        Path(out, f"rank{dist.rank}.json").write_text(json.dumps(result))
+        dist.close()
+
+
+def leave_after(worker, argv: list[str]) -> None:
+    """Run a rank's ``worker(argv)``, then exit without interpreter finalization: a rank's gloo group can outlive
+    ``destroy_process_group`` and abort the exit ("terminate called without an active exception", seen under a
+    loaded full suite) after every result was written (as in tests/test_load_plan.py)."""
+    code = 0
+    try:
+        worker(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        if exc.code and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported, then the exit code says it
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _worker(args: list[str]) -> None:
@@ -58,8 +98,7 @@ def _worker(args: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format=f"rank %(process)d %(name)s: %(message)s")
     cuda = a.device == "cuda"
     dist = Dist("nccl" if cuda else "gloo", timeout_s=120)
-    result: dict = {"rank": dist.rank}
-    try:
+    with rank_result(dist, a.out) as result:
         def config(urls: list[str], transport: str = "http", mode: str = "blocking"):
             servers = ",".join(f"{{base_url: '{u}'}}" for u in urls)
             return load_config(REPO / "configs/demo_cpu.yaml", [
@@ -82,15 +121,6 @@ def _worker(args: list[str]) -> None:
         model = wrap(model, cfg.learner, device, dist.world_size, dist.local_rank)
         trainer = _Trainer(model, dist.rank, device)
         {"land": _land, "fail": _fail, "adapter": _adapter}[a.scenario](a, dist, model, trainer, config, result)
-        result["aligned"] = dist.all_reduce([1], "sum", "the test's closing all-reduce")[0]
-    except BaseException as exc:
-        import traceback
-
-        result["error"] = traceback.format_exc()
-        raise SystemExit(f"rank {dist.rank}: {exc}") from exc
-    finally:
-        Path(a.out, f"rank{dist.rank}.json").write_text(json.dumps(result))
-        dist.close()
 
 
 class _Trainer:
@@ -308,7 +338,7 @@ def _adapter(a, dist, model, trainer, config, result) -> None:
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker([x for x in sys.argv[1:] if x != "--worker"])
+    leave_after(_worker, [x for x in sys.argv[1:] if x != "--worker"])
 
 
 # ----------------------------------------------------------------------------------------------- the tests
@@ -332,11 +362,12 @@ def test_the_running_fingerprint_equals_the_one_shot_fingerprint_of_the_cast_wei
 
 
 def _run(tmp: Path, scenario: str, urls: list[str], model_dir: Path, extra: list[str] = (), nproc: int = 2,
-         env: dict[str, str] | None = None) -> list[dict]:
-    """One torchrun of ``nproc`` worker ranks under the deadline; their merged results (AssertionError on a failure)."""
+         env: dict[str, str] | None = None, script: str = __file__) -> list[dict]:
+    """One torchrun of ``nproc`` worker ranks of ``script`` (``--worker``) under the deadline; their merged results
+    (AssertionError on a failure)."""
     from tests.test_learner_harness import Proc
 
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
             "--worker", scenario, "--out", str(tmp), "--model", str(model_dir), *[f"--url={u}" for u in urls], *extra]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keep a staged site dir
     proc = Proc(argv, tmp / "torchrun.log", env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})})

@@ -46,8 +46,10 @@ class AdapterConfig:
         "the HF names (the adapted layers' merged weights and modules_to_save; frozen weights stay on the server). "
         "adapter: only the adapter's tensors (LoRA A/B, DoRA magnitudes) travel, plus modules_to_save, and the "
         "server merges them into its kept base weights with peft's merge (the vllm engine: over "
-        "weight_sync.transport: http only, merged on the server's CPU; learner.parallel: fsdp takes merged only: it gathers each adapted layer and "
-        "merges on rank 0). docs/models.md, Adapters, has the bytes of each.", "merged")
+        "weight_sync.transport: http only, merged on the server's CPU). Under learner.parallel: fsdp both work: merged "
+        "gathers each adapted layer and merges on rank 0; adapter gathers the adapter's tensors to send them and "
+        "each adapted layer's parts for the fingerprint only. docs/models.md, Adapters, has the bytes of each.",
+        "merged")
 
 
 @dataclass
@@ -96,11 +98,6 @@ def check_recipe_rules(cfg: Any, problems: Any) -> None:
         problems.add("model.adapter.dropout", a.dropout, "outside [0, 1)", "use 0.0 (the origin's) or e.g. 0.05")
     if isinstance(a.target_modules, str) and a.target_modules != "all-linear" and not a.target_modules.strip():
         problems.add("model.adapter.target_modules", a.target_modules, "empty", "use all-linear or a list of names")
-    if cfg.learner.parallel == "fsdp" and a.sync == "adapter":
-        problems.add("model.adapter.sync", a.sync, "adapter-only sync is not wired for learner.parallel: fsdp (a "
-                     "sharded push sends every gathered weight; it declares no adapter session)",
-                     "use model.adapter.sync: merged under learner.parallel: fsdp (each adapted layer is gathered "
-                     "and merged on rank 0), or learner.parallel: ddp for adapter-only sync")
     if a.sync == "adapter" and cfg.rollout_server.engine == "vllm" and cfg.weight_sync.transport != "http":
         problems.add("weight_sync.transport", cfg.weight_sync.transport, "the vllm engine takes an adapter-only sync "
                      "over http only (the adapter's tensors are staged on the server, merged on its CPU at commit and "

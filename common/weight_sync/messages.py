@@ -26,13 +26,11 @@ STREAM_MAGIC = b"TANDEM-SYNC/1\n"
 #: Tensor dtypes of the weight-sync manifest and buckets (torch names), with their byte size.
 SYNC_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 SyncDtype = Literal["bfloat16", "float16", "float32", "float64", "int64", "int32", "uint8"]
-#: Largest weight version any message may carry: exact in JSON (a double), far inside int64 and msgpack, so
-#: every peer can hold it (a ver of 2**64 once crashed an actor's serialiser). A learner syncing every
-#: millisecond would need 285,000 years to reach it.
+#: Largest weight version any message may carry: exact in JSON (a double), far inside int64 and msgpack (a ver
+#: of 2**64 once crashed an actor's serialiser); 285,000 years of a sync every millisecond.
 MAX_VER = 2**53 - 1
-#: Largest step ``SyncCommitRequest.min_ver`` may ask above the server's ver. The jump exists for a learner
-#: resumed past a freshly restarted server (ver continues from the checkpoint's); a million syncs covers any
-#: real run, and a typo such as 10**30 (ver can never come back down) is refused instead of stored.
+#: Largest step ``SyncCommitRequest.min_ver`` may ask above the server's ver (a learner resumed past a restarted
+#: server continues from the checkpoint's ver); a typo such as 10**30 (ver never comes back down) is refused.
 MAX_VER_JUMP = 1_000_000
 
 
@@ -217,8 +215,7 @@ class SyncBeginResponse(_Message):
     fence_s: float = Field(ge=0)
     """Seconds from the begin call to a quiet engine."""
     spared: int = Field(0, ge=0)
-    """Of ``drained``: re-runs of batches an earlier abort-mode fence had cut, drained rather than cut again
-    (``rollout_server/fence.py`` MAX_CUTS). A long fence with ``spared`` > 0 waited for such a re-run."""
+    """Of ``drained``: re-runs of batches an earlier abort fence cut, drained, not cut again (fence.py MAX_CUTS)."""
 
 
 class SyncBucketHeader(_Message):

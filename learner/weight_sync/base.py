@@ -18,11 +18,15 @@ Every sender pushes the learner's weights to one rollout server the same way::
     check     the server's fingerprint equals ours
 
 Sharded weights (a :class:`learner.weight_sync.sharded.ShardedWeights` as ``named_tensors``, FSDP2): the plan
-uses the global shapes; after ``begin`` the bucket plan is announced to every learner rank, each
+uses the global shapes and ``select`` is the same (skip and adapter sessions included); before ``begin`` the
+served tensors that do not travel are gathered *aside* for the fingerprint (a frozen one only until rank 0 holds
+its samples: it never changes); after ``begin`` the bucket plan is announced to every learner rank, each
 bucket is gathered just in time when the transport asks for it (:meth:`PushSender._bucket`), and the
 fingerprint is sampled from the gathered tensors as they go and sent at ``commit`` (no second
-gather). Whatever fails, the remaining gathers still run (``ShardedWeights.finish``), so the other
-ranks never wait for a collective that does not come (learner/weight_sync/sharded.py).
+gather). What travels is decided on rank 0 from the server's answer and reaches the other ranks as the
+aside and bucket plans (broadcasts), so every rank runs the same gathers. Whatever fails, the remaining
+gathers still run (``ShardedWeights.finish``), so the other ranks never wait for a collective that does not
+come (learner/weight_sync/sharded.py).
 
 :class:`PushSender` writes this protocol once; a transport implements :meth:`PushSender._send`
 (and, where it needs them, ``_open``, ``_prepare`` and ``_failed``). :class:`WeightSender` is the
@@ -46,7 +50,7 @@ import torch
 from common.weight_sync.messages import AdapterSpec, SyncInitResponse
 from common.weight_sync import weights as W
 from learner.weight_sync.session import SyncClient, SyncError, SyncSession
-from learner.weight_sync.sharded import BucketGather, ShardedWeights
+from learner.weight_sync.sharded import BucketGather, RunningFingerprint, ShardedWeights
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +247,7 @@ class PushSender(abc.ABC):
         ``named_tensors``: the complete served model (merged, for an adapter run): what the fingerprint covers.
         ``skip``: served names frozen for the whole run (equal to the checkpoint the server loaded); those the
         server accepts are not sent. ``adapter``: an adapter session (the adapter's tensors travel instead of its
-        layers' merged weights). Neither applies to sharded weights (FSDP2 sends every gathered bucket).
+        layers' merged weights); sharded, its tensors must be the ``extra`` of the ``ShardedWeights``.
         ``min_ver``: the lowest ver the commit may produce (``SyncCommitRequest.min_ver``). ``on_phase(name)``
         is called after ``begin`` (tests use it to freeze the server mid-sync); ``weight_load`` overrides the
         server's NCCL load path for this push (``fast`` | ``native``: benchmarks).
@@ -252,9 +256,12 @@ class PushSender(abc.ABC):
         deadline = t0 + self.timeout_s
         sharded = named_tensors if isinstance(named_tensors, ShardedWeights) else None
         named = list(named_tensors)
-        if sharded is not None and (skip or adapter is not None):
-            raise SyncError("plan", "sharded weights (FSDP2) are pushed whole: no frozen skip, no adapter session")
         self._sharded, self._gathered = sharded, None
+        if sharded is not None and adapter is not None and {id(t) for _, t in adapter.tensors} - {
+                id(t) for _, t in sharded.extra}:
+            self._end_sharded()  # empty plans: the other ranks move on
+            raise SyncError("plan", "a sharded adapter push needs the adapter's tensors as ShardedWeights.extra "
+                            "(the gather plan indexes them)")
         self._declared = {"skip": sorted(skip), "adapter": adapter.spec if adapter is not None else None}
         try:
             session = self._open(bucket_bytes, named, deadline, weight_load)
@@ -266,22 +273,24 @@ class PushSender(abc.ABC):
         try:
             planned = plan(session.info, named)
             dtypes = session_dtypes(session.info)
-            # of the complete served model as the server will hold it; sharded: sampled from the gathered buckets
+            # of the complete served model as the server will hold it; sharded: sampled from the gathered tensors
             fp = W.fingerprint(planned, dtypes) if sharded is None else None
-            sending = select(session.info, planned, adapter) if sharded is None else planned
+            sending = select(session.info, planned, adapter)
             sent_names = {n for n, _ in sending}
             unsent = [(n, t) for n, t in planned if n not in sent_names]
             skipped_bytes = sum(t.numel() * W.torch_dtype(dtypes[n]).itemsize for n, t in unsent)
             if session.info.skip_refused:
                 log.info("%s sends frozen parameters in full: %s", self.base_url, session.info.skip_refused)
             prepared = self._prepare(session, sending, dtypes, bucket_bytes)
+            running = self._sample_unsent(sharded, unsent, dtypes, set(skip)) if sharded is not None else None
             t1 = time.monotonic()
             begun = session.begin(fence)
             t2 = time.monotonic()
             if on_phase is not None:
                 on_phase("begun")
-            if sharded is not None:
-                self._gathered = BucketGather(sharded, planned, dtypes, bucket_bytes)  # the plan, to every rank
+            if sharded is not None:  # the plan, to every rank
+                self._gathered = BucketGather(sharded, sending, dtypes, bucket_bytes, running,
+                                              served={n for n, _ in planned})
             sent = self._send(session, sending, prepared, bucket_bytes, deadline)
             if self._gathered is not None:
                 fp = self._gathered.fingerprint.hexdigest()
@@ -311,6 +320,27 @@ class PushSender(abc.ABC):
                  "frozen or merged on the server" if adapter is not None else "frozen", report.fence_s,
                  report.wire_s, report.bytes / max(report.wire_s, 1e-9) / 1e9, report.commit_s, report.fingerprint)
         return report
+
+    @staticmethod
+    def _sample_unsent(sharded: ShardedWeights, unsent: list[tuple[str, torch.Tensor]], dtypes: dict[str, str],
+                       frozen: set[str]) -> RunningFingerprint:
+        """Sharded push, before the fence: the fingerprint's samples of the served tensors that do not travel.
+        A frozen one (``frozen``: the declared skip names) comes from ``sharded.samples`` once rank 0 holds it,
+        else it is gathered aside on every rank (learner/weight_sync/sharded.py) and, if frozen, kept."""
+        running = RunningFingerprint()
+        aside = []
+        for name, t in unsent:
+            part = sharded.samples.get((name, dtypes[name])) if name in frozen else None
+            if part is None:
+                aside.append((name, t))
+            else:
+                running.put(name, part)
+        sharded.announce_aside(aside, dtypes)
+        for (name, _), full in zip(aside, sharded.gather_aside(), strict=True):
+            head, sample = running.add(name, full)
+            if name in frozen:
+                sharded.samples[(name, dtypes[name])] = (head, sample.cpu().clone())
+        return running
 
     def _end_sharded(self) -> None:
         """Sharded push: drive the gathers the transport did not (the other ranks are in them), then forget it."""

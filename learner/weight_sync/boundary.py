@@ -12,7 +12,11 @@
 Under FSDP2 (``learner.parallel: fsdp``; learner/weight_sync/sharded.py) no rank holds the full weights, so
 the push runs on every rank between the two barriers, per server::
 
-    rank 0:     init → plan (global shapes) → begin (fence)   ranks > 0: wait in the plan broadcast
+    rank 0:     init (skip, adapter) → plan (global shapes)   ranks > 0: wait in the aside plan broadcast
+    every rank: broadcast the aside plan from rank 0, then     the served tensors that do not travel and whose
+                all-gather each of its tensors (fingerprint      fingerprint samples rank 0 lacks (frozen: once
+                samples on rank 0, dropped)                      per run; an adapter session's merged layers)
+    rank 0:     begin (fence)                                  ranks > 0: wait in the bucket plan broadcast
     every rank: broadcast the bucket plan from rank 0          (an empty plan if rank 0 failed before the fence,
                                                                  or for a server after a failed one)
     every rank: per bucket: all-gather its tensors (cast to    rank 0 sends the bucket, samples the fingerprint;
@@ -35,27 +39,26 @@ learner agree before the first step). Then, at EVERY step boundary, every rank::
     started:    the snapshot is taken after the broadcast; under FSDP2 every rank all-gathers each weight in turn
                 and rank 0 copies it into its host snapshot (pinned on a CUDA host), then starts the thread
 
-What travels (rank 0, weights not sharded): the served names frozen for the run (``learner/recipe.py``
+What travels (DDP and FSDP2 alike): the served names frozen for the run (``learner/recipe.py``
 ``frozen_names``: ``model.freeze`` groups, and under an adapter every base weight it does not adapt) are
 declared at ``/sync/init`` and not sent where the server accepts them; with ``model.adapter.sync: adapter`` the
-adapter's tensors travel instead of its layers' merged weights and the server merges them. The fingerprint
-always covers the complete served model. A commit refused for a fingerprint mismatch after such a push (the
-server's frozen or base copy is not the learner's) makes every later push to that server a full one. A server
-that refuses the adapter session itself (a 400 naming ``adapter``: an engine or transport that does not merge,
-e.g. vLLM over nccl) gets the same weights merged on the learner at once, and every later push too: logged as a
-warning with the server's reason, counted in ``sync/adapter_fallbacks`` (rank 0's count).
-``sync/bytes`` and ``sync/skipped_bytes`` count what travelled and what did not.
+adapter's tensors travel instead of its layers' merged weights and the server merges them. Under FSDP2 rank 0
+decides this from the server's answer and the other ranks learn it from the gather plans it broadcasts (the
+aside plan, then the bucket plan: learner/weight_sync/sharded.py), so no rank gathers for a tensor that does
+not travel except what the fingerprint needs. The fingerprint always covers the complete served model. A
+commit refused for a fingerprint mismatch after such a push (the server's frozen or base copy is not the
+learner's) makes every later push to that server a full one. A server that refuses the adapter session itself
+(a 400 naming ``adapter``: an engine or transport that does not merge, e.g. vLLM over nccl) gets merged
+weights from then on: at once with the same weights (unsharded), or from the next sync (FSDP2: the push's
+gathers are already paired with the other ranks', so this sync fails); logged as a warning with the server's
+reason, counted in ``sync/adapter_fallbacks`` (rank 0's). ``sync/bytes``, ``sync/skipped_bytes``: what travelled, what not.
 
-No barrier surrounds the push: every rank trains on while rank 0's thread pushes. A push that
-commits during step s becomes the learner's ver at the boundary before step s + 1 (the first one
-after the push thread has the commit's answer), on every rank at once (the broadcast). The server
-tags every /infer response with the ver whose weights produced it, so packs stay exact; the
-learner's ``ver_current`` lags the server's by at most one ver, and only from the commit to that
-boundary, during which packs of ``ver_current + 1`` can arrive and are
-trained like any other (their ``ver_lag`` is -1). docs/learner.md spells out what ``version_window``
-bounds in this mode. :meth:`WeightSync.settle` waits for a push in flight (with a
-deadline) and adopts its outcome; the learner calls it before a checkpoint, so the checkpoint's ver
-is the server's.
+No barrier surrounds the push: every rank trains on while rank 0's thread pushes. A push that commits during
+step s becomes the learner's ver at the boundary before step s + 1, on every rank at once (the broadcast). The
+server tags every /infer response with its ver, so packs stay exact; the learner's ``ver_current`` lags the
+server's by at most one ver until that boundary (packs of ``ver_current + 1`` are trained like any other,
+``ver_lag`` -1; docs/learner.md: what ``version_window`` bounds). :meth:`WeightSync.settle` waits for a push in
+flight (with a deadline) and adopts its outcome before a checkpoint, so the checkpoint's ver is the server's.
 
 Only rank 0 constructs a client, a snapshot or a thread, or opens a connection; the other ranks only
 take part in the collectives, FSDP2's gathers included (no rank-dependent branch around a collective:
@@ -168,7 +171,8 @@ class WeightSync:
         self.auth_token = cfg.rollout_server.auth_token
         adapter = getattr(cfg.model, "adapter", None)
         self.adapter_sync = adapter is not None and adapter.sync == "adapter"
-        self._frozen: list[str] = []  # rank 0: learner/recipe.py frozen_names, once (frozen for the whole run)
+        self._frozen: list[str] = []  # learner/recipe.py frozen_names, once (frozen for the whole run)
+        self._frozen_samples: dict = {}  # FSDP2, rank 0: fingerprint samples of frozen weights (ShardedWeights.samples)
         self._adapter: AdapterPush | None = None  # rank 0: the last source's adapter shape (its tensors ride along)
         self._full_push: set[str] = set()  # servers whose copy refused a skip or adapter push: full pushes from now
         self._merged_push: set[str] = set()  # servers that refused the adapter session: merged pushes from now
@@ -245,8 +249,19 @@ class WeightSync:
         return sender
 
     def _sharded_source(self, model: torch.nn.Module) -> ShardedWeights:
-        """One server's walk over the sharded weights (learner/weight_sync/sharded.py); same order on every rank."""
-        source = ShardedWeights(list(named_weights(model)), self.dist)
+        """One server's walk over the sharded weights (learner/weight_sync/sharded.py); same list and order on
+        every rank: the served weights, then, for an adapter sync, the adapter's tensors (DTensors: the push
+        gathers them only when they travel; an overlap snapshot copies both and :meth:`_split` parts them)."""
+        from learner.recipe import adapter_push, frozen_names
+
+        inner = unwrap(model)
+        if not self._frozen:
+            self._frozen = frozen_names(inner)
+        extra: list[tuple[str, torch.Tensor]] = []
+        if self.adapter_sync:
+            self._adapter = adapter_push(inner)
+            extra = self._adapter.tensors
+        source = ShardedWeights(list(named_weights(model)), self.dist, extra=extra, samples=self._frozen_samples)
         self.transfer_device = source.device
         return source
 
@@ -375,15 +390,13 @@ class WeightSync:
         for i, url in enumerate(self.servers):
             t_push = time.monotonic()
             source = tensors()
-            skip: list[str] = []
-            adapter = None
-            if not isinstance(source, ShardedWeights):
+            if isinstance(source, ShardedWeights):
+                adapter = AdapterPush(spec=self._adapter.spec, tensors=source.extra) if source.extra else None
+            else:
                 source, adapter = self._split(list(source))
-                if url in self._full_push:
-                    adapter = None
-                else:
-                    skip = self._frozen
-                    adapter = None if url in self._merged_push else adapter
+            skip: list[str] = [] if url in self._full_push else self._frozen
+            if url in self._full_push or url in self._merged_push:
+                adapter = None
             try:
                 try:
                     report = self._sender(url).push(source, bucket_bytes=self.bucket_bytes, fence=self.fence,
@@ -391,8 +404,10 @@ class WeightSync:
                 except SyncError as exc:
                     if adapter is None or not adapter_refused(exc):
                         raise
-                    adapter = None
                     self._adapter_fallback(url, exc)
+                    if isinstance(source, ShardedWeights):
+                        raise  # its gathers are spent, paired with the other ranks': merged from the next sync on
+                    adapter = None
                     report = self._sender(url).push(source, bucket_bytes=self.bucket_bytes, fence=self.fence,
                                                     min_ver=floor, skip=skip, adapter=None)
             except GatherError:

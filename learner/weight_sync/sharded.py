@@ -6,7 +6,9 @@ same tensors in the same order. So a sharded push runs on EVERY rank (``learner/
 rank 0 inside :meth:`learner.weight_sync.base.PushSender.push`, the others in :meth:`ShardedWeights.follow`::
 
     rank 0 (PushSender.push with a ShardedWeights)            ranks > 0 (ShardedWeights.follow)
-    /sync/init, plan (names, global shapes: no gather)
+    /sync/init, plan (names, global shapes: no gather),
+      what travels (skip, adapter: the server's answer)
+    the aside gathers (Fingerprint, below)               ◄──► the same broadcast and all-gathers
     /sync/begin (the fence)
     announce: broadcast the plan  ─────────────────────────►  the plan: which tensors, which bucket, which dtype
       (a failure before this point announces "nothing":                (nothing: return at once)
@@ -23,9 +25,10 @@ rank 0 inside :meth:`learner.weight_sync.base.PushSender.push`, the others in :m
 Failure can never desynchronise the ranks: once a plan of K buckets is announced, every rank issues
 exactly K buckets of all-gathers whatever happens on rank 0 (no per-bucket continue/abort message);
 before the announcement, rank 0 announces an empty plan. Per push and server the collective sequence
-is fixed: one broadcast, then one all-gather per served tensor. The push's outcome still reaches
-the other ranks only through the boundary's ``[ver, ok]`` broadcast. A failed gather is not a failed
-push: it means the learner's process group is broken, and :class:`GatherError` ends the run.
+is fixed: the aside plan's broadcast and its gathers (below), then the bucket plan's broadcast and one
+all-gather per tensor it sends. The push's outcome still reaches the other ranks only through the
+boundary's ``[ver, ok]`` broadcast. A failed gather is not a failed push: it means the learner's process
+group is broken, and :class:`GatherError` ends the run.
 
 Memory: rank 0 holds one bucket of gathered tensors (in the serving dtype) plus what its transport
 holds (one packed bucket; NCCL: two chunks in flight); the other ranks hold one gathered tensor at a
@@ -35,7 +38,19 @@ bit-identical to casting the full tensor, and a float32 master moves half the by
 Fingerprint: the server checks it at ``/sync/commit``, after the buckets, so :class:`RunningFingerprint`
 samples each tensor while its gathered copy exists: no second gather. It is the hash of
 ``common.weight_sync.weights.fingerprint`` fed one tensor at a time (``tests/test_sync_fsdp.py`` pins the two
-equal).
+equal). It covers the complete served model, so the served tensors that do not travel (frozen names the server
+kept, an adapter session's merged layers) are gathered *aside*, before the fence, on every rank: rank 0
+broadcasts which, samples each and drops it (:meth:`ShardedWeights.announce_aside`). A frozen tensor never
+changes, so rank 0 keeps its samples (``samples``, owned by the caller across pushes) and later pushes gather
+it no more; an adapted layer's merge changes with every step, so its parts are gathered aside at every push
+of an adapter session (not sent: the server merges its own base)::
+
+    rank 0                                                      ranks > 0
+    /sync/init (skip, adapter) -> plan, what travels
+    announce aside: the unsent served tensors whose  ─────────► the aside plan (nothing: an empty one)
+      samples it lacks
+    per aside tensor: all-gather, sample, drop       ◄────────► the same all-gathers, dropped
+    /sync/begin, announce the buckets, gather + send ... as above
 
 Derived weights: a served weight that no single parameter holds (an adapted layer's W + ΔW under
 ``model.adapter.sync: merged``) is a :class:`Derived` entry: its parts (the base weight and the adapter's
@@ -98,23 +113,62 @@ class ShardedWeights:
     """
 
     def __init__(self, named: Sequence[tuple[str, torch.Tensor]], dist: Dist,
-                 device: torch.device | None = None) -> None:
-        self.named = list(named)
+                 device: torch.device | None = None, *, extra: Sequence[tuple[str, torch.Tensor]] = (),
+                 samples: dict[tuple[str, str], tuple[bytes, torch.Tensor]] | None = None) -> None:
+        """``named``: the served weights (what iterating yields); ``extra``: tensors that may travel beside them
+        but are not served (an adapter session's ``lora_*``); ``samples``: rank 0's fingerprint samples of frozen
+        tensors by (name, serving dtype), kept by the caller across pushes (module docstring)."""
+        self.n_served = len(named)
+        self.named = list(named) + list(extra)
         self.dist = dist
         self.device = device if device is not None else gather_device(self.named)
         self.index = {id(t): i for i, (_, t) in enumerate(self.named)}
+        self.samples = samples if samples is not None else {}
+        self.aside: list[tuple[int, torch.dtype]] | None = None  # None until announced
         self.buckets: list[list[tuple[int, torch.dtype]]] | None = None  # None until announced
         self.gathers = 0  # all-gathers this rank issued
+        self._aside_next = 0
         self._next = 0
         self._closed = False
         self._broken = False  # a gather failed: the process group is gone, no further collective can complete
         self._lock = threading.Lock()  # NCCL: rank 0 gathers on the broadcast thread, finish() on the caller's
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.named)
+        return iter(self.named[:self.n_served])
 
     def __len__(self) -> int:
-        return len(self.named)
+        return self.n_served
+
+    @property
+    def extra(self) -> list[tuple[str, torch.Tensor]]:
+        return self.named[self.n_served:]
+
+    # ------------------------------------------------------------------ the aside plan (one broadcast)
+
+    def announce_aside(self, planned: Sequence[tuple[str, torch.Tensor]] | None = None,
+                       dtypes: dict[str, str] | None = None) -> None:
+        """Rank 0: broadcast which tensors are gathered aside (``planned``, each in its ``dtypes`` entry; None:
+        nothing). Other ranks: receive it (their arguments are ignored). Collective; then :meth:`gather_aside`."""
+        n = len(self.named)
+        values = [0] * (1 + 2 * n)  # [count, then per tensor: param index, dtype code]
+        if self.dist.is_main and planned is not None:
+            values[0] = len(planned)
+            for j, (name, t) in enumerate(planned):
+                values[1 + 2 * j:3 + 2 * j] = [self.index[id(t)], DTYPES.index(dtypes[name])]
+        values = self.dist.broadcast(values, "the sharded weight push's aside plan (rank 0 -> every rank)")
+        self.aside = [(values[1 + 2 * j], W.torch_dtype(DTYPES[values[2 + 2 * j]])) for j in range(values[0])]
+
+    def gather_aside(self) -> Iterator[torch.Tensor]:
+        """The announced aside tensors, each gathered whole in its dtype, in order (what a consumer leaves,
+        :meth:`finish` gathers). Collective per tensor."""
+        while True:
+            with self._lock:
+                if self._closed or self.aside is None or self._aside_next >= len(self.aside):
+                    return
+                i, dtype = self.aside[self._aside_next]
+                self._aside_next += 1
+                full = self._full(i, dtype)
+            yield full
 
     # ------------------------------------------------------------------ the plan (one broadcast)
 
@@ -154,11 +208,17 @@ class ShardedWeights:
             return [self._full(i, dtype) for i, dtype in self.buckets[k]]
 
     def finish(self) -> None:
-        """Announce an empty plan if none was, then gather every bucket not gathered yet (dropped). Idempotent."""
+        """Announce empty plans where none was, then gather everything announced and not gathered yet (dropped):
+        the aside tensors, then the buckets. Idempotent."""
         with self._lock:
             self._closed = True
             if self._broken:
                 return
+            if self.aside is None:
+                self.announce_aside(None)
+            while self._aside_next < len(self.aside):
+                self._full(*self.aside[self._aside_next])
+                self._aside_next += 1
             if self.buckets is None:
                 self.announce(None)
             while self._next < len(self.buckets):
@@ -167,8 +227,8 @@ class ShardedWeights:
                 self._next += 1
 
     def follow(self) -> int:
-        """Ranks > 0: receive rank 0's plan and take part in every gather of it; returns the buckets gathered."""
-        self.announce(None)
+        """Ranks > 0: receive rank 0's plans (aside, then buckets) and take part in every gather of them; returns
+        the buckets gathered."""
         self.finish()
         return len(self.buckets or [])
 
@@ -220,7 +280,8 @@ class RunningFingerprint:
     def __init__(self) -> None:
         self._parts: dict[str, tuple[bytes, torch.Tensor]] = {}
 
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name: str, t: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """Sample ``t`` (in its serving dtype) as ``name``; returns the sample (what :meth:`put` takes back)."""
         flat = t.detach().reshape(-1)
         n = flat.numel()
         if n > W.FINGERPRINT_SAMPLES:  # the same evenly spaced samples (integer arithmetic) as the original
@@ -228,6 +289,14 @@ class RunningFingerprint:
             flat = flat[torch.arange(k, device=flat.device) * (n - 1) // (k - 1)]
         head = f"{name}|{W.dtype_name(flat.dtype)}|{list(t.shape)}|".encode()
         self._parts[name] = (head, flat.contiguous().view(torch.uint8))  # a small copy; the full tensor can go
+        return self._parts[name]
+
+    def put(self, name: str, part: tuple[bytes, torch.Tensor]) -> None:
+        """A sample :meth:`add` returned for ``name`` in an earlier push (a frozen tensor: it never changes)."""
+        self._parts[name] = part
+
+    def names(self) -> set[str]:
+        return set(self._parts)
 
     def hexdigest(self) -> str:
         names = sorted(self._parts)
@@ -245,14 +314,17 @@ class RunningFingerprint:
 
 class BucketGather:
     """Rank 0's side of one sharded push: the bucket cut (the transports' shared rule), its announcement,
-    the gathers the transport asks for, and the fingerprint of what it sent."""
+    the gathers the transport asks for, and the fingerprint of the served tensors it sent (``fingerprint``: the
+    running one the aside gathers began; ``served``: the names it samples, an adapter's own tensors not)."""
 
     def __init__(self, source: ShardedWeights, planned: Sequence[tuple[str, torch.Tensor]], dtypes: dict[str, str],
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, fingerprint: RunningFingerprint | None = None,
+                 served: set[str] | None = None) -> None:
         self.source, self.planned = source, list(planned)
         sizes = [e - b for b, e in W.packed_offsets([(dtypes[n], list(t.shape)) for n, t in self.planned])]
         self.groups = W.packed_chunks(sizes, bucket_bytes)  # = common.weight_sync.packed.bucket_plan's cut
-        self.fingerprint = RunningFingerprint()
+        self.fingerprint = fingerprint if fingerprint is not None else RunningFingerprint()
+        self.served = served
         source.announce(self.planned, self.groups, dtypes)
 
     def get(self, k: int, idx: Sequence[int]) -> list[torch.Tensor]:
@@ -261,7 +333,8 @@ class BucketGather:
             raise RuntimeError(f"the transport cut bucket {k} as {list(idx)}, the announced plan has {self.groups[k]}")
         tensors = self.source.gather(k)
         for i, t in zip(idx, tensors):
-            self.fingerprint.add(self.planned[i][0], t)
+            if self.served is None or self.planned[i][0] in self.served:
+                self.fingerprint.add(self.planned[i][0], t)
         return tensors
 
 
