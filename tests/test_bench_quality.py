@@ -22,14 +22,19 @@ from tests.ports import free_port_block  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+def quick_argv(out: Path, model: Path, data: Path, server: int, base: int, *flags: str) -> list[str]:
+    """``bench_quality.py --quick`` from the tiny detector on loopback ports of the test's own (slot 0's)."""
+    return [sys.executable, str(REPO / "bench" / "bench_quality.py"), "--quick", *flags, "--out", str(out),
+            f"model.path={model}", f"data.train_jsonl={data / 'train.jsonl'}", f"data.val_jsonl={data / 'val.jsonl'}",
+            f"transport.base_port={base}", f"rollout_matching.vllm.servers=[{{base_url: 'http://127.0.0.1:{server}'}}]",
+            f"rollout_server.port={server}"]
+
+
 def test_quick_quality_bench_runs_every_arm_from_the_warm_start_and_reports_curves(tmp_path, tiny_detector_dir,
                                                                                  detector_data_dir):
     out = tmp_path / "bq"
     server, base = free_port_block(1), free_port_block(2)
-    argv = [sys.executable, str(REPO / "bench" / "bench_quality.py"), "--quick", "--out", str(out),
-            f"model.path={tiny_detector_dir}", f"data.train_jsonl={detector_data_dir / 'train.jsonl'}",
-            f"data.val_jsonl={detector_data_dir / 'val.jsonl'}", f"transport.base_port={base}",
-            f"rollout_matching.vllm.servers=[{{base_url: 'http://127.0.0.1:{server}'}}]", f"rollout_server.port={server}"]
+    argv = quick_argv(out, tiny_detector_dir, detector_data_dir, server, base)
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     payload = json.loads((out / "quality.json").read_text())
@@ -62,11 +67,8 @@ def test_two_slots_run_the_seeds_concurrently_on_ports_of_their_own(tmp_path, ti
     # One arm, two seeds: one round of two concurrent runs (the paired statistics: tests/test_bench_quality_stats.py)
     out = tmp_path / "bq"
     server, base = free_port_block(4), free_port_block(4)
-    argv = [sys.executable, str(REPO / "bench" / "bench_quality.py"), "--quick", "--seeds", "2",
-            "--arms", "a_only", "--gpus", "0,1", "--deadline-s", "240", "--out", str(out),
-            f"model.path={tiny_detector_dir}", f"data.train_jsonl={detector_data_dir / 'train.jsonl'}",
-            f"data.val_jsonl={detector_data_dir / 'val.jsonl'}", f"transport.base_port={base}",
-            f"rollout_matching.vllm.servers=[{{base_url: 'http://127.0.0.1:{server}'}}]", f"rollout_server.port={server}"]
+    argv = quick_argv(out, tiny_detector_dir, detector_data_dir, server, base,
+                      "--seeds", "2", "--arms", "a_only", "--gpus", "0,1", "--deadline-s", "240")
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     payload = json.loads((out / "quality.json").read_text())
