@@ -8,10 +8,14 @@
 #   WS_BUDGET_S=40 WS_BATCH=4 BUDGET_S=8 SEEDS=1 GPUS=0,1 VAL_IMAGES=16 N_TRAIN=256 TOTAL_S=900 \
 #       bash bench/gpu_quality_seeds.sh                              # CPU smoke, ~4 min on 2 cores
 #   python3 bench/run_scenario.py quality-gpu-seeds [--set SEEDS=5]  # the same as a named scenario
+#   STAGE=warm WS_BUDGET_S=360 TOTAL_S=450 bash ...; STAGE=bench GPUS=0,1,2,3 SEEDS=4 TOTAL_S=400 bash ...
+#       # two calls back to back on one machine (its /tmp kept): a longer warm start than one call's 600 s allows
 #
-# Knobs (environment): GPUS (slots, 0,1,2), SEEDS (3), ARMS (a_only,async_ab,step), BUDGET_S (learner seconds
+# Knobs (environment): STAGE (all | warm: model, data, validation set, warm start | bench: the arms, from what a
+# warm stage left in WORK), GPUS (slots, 0,1,2), SEEDS (3), ARMS (a_only,async_ab,step), BUDGET_S (learner seconds
 # per run, 30), EVAL_EVERY (steps between evaluations, 0: the two ends only), LR (Stage-2 lr, 2e-5), VAL_IMAGES
-# (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (16), N_TRAIN
+# (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (16), WS_WORKERS
+# (data.encode_workers of the warm start: 12; building a 16-sample window in-process took as long as its step), N_TRAIN
 # (1536: ~14 ms an image to draw on one core), TOTAL_S (470: the benchmark's deadline is what is left of it, so
 # results come back in time), OUT.
 # Without CUDA the runs go to the CPU (the slots are then port sets only): the smoke test of this script.
@@ -20,6 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+STAGE=${STAGE:-all}
 GPUS=${GPUS:-0,1,2}
 SEEDS=${SEEDS:-3}
 ARMS=${ARMS:-a_only,async_ab,step}
@@ -30,6 +35,7 @@ VAL_IMAGES=${VAL_IMAGES:-512}
 WS_BUDGET_S=${WS_BUDGET_S:-140}
 WS_LR=${WS_LR:-2e-3}
 WS_BATCH=${WS_BATCH:-16}
+WS_WORKERS=${WS_WORKERS:-12}
 N_TRAIN=${N_TRAIN:-1536}
 TOTAL_S=${TOTAL_S:-470}
 OUT=${OUT:-runs/gpu-quality-seeds}
@@ -87,9 +93,11 @@ collect() {
 }
 trap collect EXIT
 
+case $STAGE in all|warm|bench) ;; *) echo "STAGE=$STAGE: one of all, warm, bench" >&2; exit 2;; esac
+DATA_KEYS=(data.train_jsonl="$DATA/train.jsonl" data.val_jsonl="$DATA/val.jsonl")
+if [ "$STAGE" != bench ]; then
 stage model 120 python3 tools/make_tiny_model.py --preset tiny --max-pixels 28224 --out "$BASE" || exit 1
 stage data 180 python3 -m common.data.synthetic --crowded --out "$DATA" --split "$N_TRAIN/64" --seed 0 || exit 1
-DATA_KEYS=(data.train_jsonl="$DATA/train.jsonl" data.val_jsonl="$DATA/val.jsonl")
 # The validation set of VAL_IMAGES (bench_quality.larger_val_set: it renders the training records again
 # beside it) is drawn on the CPU while the warm start trains; the benchmark then finds it built.
 timeout -k 5 240 python3 -c "import sys; sys.path.insert(0, 'bench'); import bench_quality as bq
@@ -100,7 +108,8 @@ VAL_PID=$!
 # Stage-1 warm start for WS_BUDGET_S wall seconds: the warm start counts steps, not seconds, so a 12-step
 # calibration measures the step and the start-up, and the real one gets the steps that fit what is left.
 WS_KEYS=(model.path="$BASE" model.dtype=float32 model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
-         training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=16384 training.log_every_steps=1)
+         training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=16384 training.log_every_steps=1
+         data.encode_workers="$WS_WORKERS")
 T_WS=$SECONDS
 rm -rf "$WORK/det-cal"
 stage warm-calibration "$WS_BUDGET_S" python3 -m learner.warm_start --config configs/warm_start_cpu.yaml \
@@ -130,6 +139,7 @@ if [ "$WS_STEPS" -gt 0 ]; then
       training.warmup_steps=20 > "$WORK/ws.out" 2>&1
   tail -n 2 "$WORK/ws.out"
 fi
+fi  # STAGE != bench
 for fallback in "$WORK/det-cal" "$BASE"; do  # late or failed: a weaker start still gives the table
   [ -f "$DET/config.json" ] && break
   ts "no warm start at $DET: the arms start from $fallback"
@@ -137,8 +147,9 @@ for fallback in "$WORK/det-cal" "$BASE"; do  # late or failed: a weaker start st
 done
 python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['result']; print('warm start result:', json.dumps(b))" \
     "$DET/tandem_build.json" 2>/dev/null || true
-wait "$VAL_PID"; VAL_PID=
+[ -n "${VAL_PID:-}" ] && wait "$VAL_PID"; VAL_PID=
 cat "$WORK/val.out"
+[ "$STAGE" = warm ] && { ts "warm stage done: STAGE=bench on this machine runs the arms"; exit 0; }
 
 # The arms: SEEDS x ARMS on the GPU slots; what is left of TOTAL_S (less room to collect) is their deadline.
 BENCH_S=$(( $(left) - 25 ))

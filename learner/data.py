@@ -33,6 +33,12 @@ exactly the samples the uninterrupted run would have, the carried ones re-encode
 references. A window is a pure function of that state, which is what lets learner/prefetch.py
 build it one step early and still checkpoint exactly.
 
+``data.encode_workers: N > 0`` moves the encoding (learner/encode_pool.py) to N spawned worker processes
+of this rank: the next refs in sampler order are submitted ahead (a lookahead of two windows' draws, at
+least 4 per worker) and consumed in that same order, so windows, counters, bad-record errors and the
+checkpointed state (what was consumed, never what was submitted) are those of the synchronous path;
+``load_state_dict`` drops the lookahead, and :meth:`ChannelAData.close` shuts the workers down.
+
 Threads: not thread-safe (nor is its Encoder). In the learner, the Channel-A prefetch thread owns
 this object and its Encoder from ``ChannelAPrefetcher.start()`` on; nothing else may call it then.
 
@@ -41,16 +47,15 @@ What this module does not know: ranks beyond (rank, world), models, the loss's n
 
 from __future__ import annotations
 
-import json
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from common.detection.answer import canonical_order
-from common.data.records import load_record
-from common.data.check import BadRecords, check_images
+from common.data.check import BadRecords
 from common.packing.segment import Pack, Segment
-from common.detection.targets import channel_a_target
+from learner.encode_pool import EncodePool, Encoded, encode_line
 
 
 @dataclass
@@ -63,9 +68,11 @@ class ChannelAData:
     """This rank's Channel-A stream: sampler order, target building, encoding, window packing."""
 
     def __init__(self, cfg: Any, encoder: Any, *, rank: int, world_size: int, ga: int,
-                 samples: int | None = None) -> None:
+                 samples: int | None = None, pool: EncodePool | None = None) -> None:
         """``samples``: a fixed number of samples per window instead of full packs (the Stage-1 warm start keeps
-        its per-step batch, ``per_device_train_batch_size × GA``, so its recipe and cost stay what they were)."""
+        its per-step batch, ``per_device_train_batch_size × GA``, so its recipe and cost stay what they were).
+        ``pool``: encode workers to use instead of starting ``data.encode_workers`` of its own (their encoder must
+        be this config's; :meth:`close` leaves a pool passed in to its owner)."""
         self.cfg, self.encoder, self.rank, self.world_size, self.ga = cfg, encoder, rank, world_size, ga
         self.samples = samples
         self.packing_length = cfg.derived.packing_length
@@ -75,10 +82,31 @@ class ChannelAData:
             raise ValueError(f"{path}: {len(self.lines)} records for {world_size} learner ranks; use more data")
         self.source = path.name
         self.epoch, self.position = 0, 0
-        self._order: list[int] = self._epoch_order(0)
+        self._orders: dict[int, list[int]] = {}
         self.carry: list[tuple[_Ref, Segment]] = []
         self.counters = {"samples_drawn": 0, "too_long_dropped": 0, "record_errors": 0, "window_carry": 0}
         self.bad_records = BadRecords(cfg.data.on_bad_record, str(path))
+        workers = int(getattr(cfg.data, "encode_workers", 0) or 0)
+        self.pool = pool if pool is not None else EncodePool(cfg, workers) if workers > 0 else None
+        self._owns_pool = pool is None
+        # data.encode_workers > 0: futures of the next refs in sampler order (submitted, not consumed), and the
+        # sampler position of the first ref not yet submitted. Ahead: 2 windows' draws (the window being taken and
+        # the next, encoded while the step trains), at least 4 per worker so none idles.
+        self._ahead: deque[tuple[_Ref, Future]] = deque()
+        self._submit_at = (0, 0)
+        self._window_draws = samples if samples is not None else 4 * ga  # the last window's, once there is one
+        self._closed = False
+
+    @property
+    def _order(self) -> list[int]:
+        return self._order_of(self.epoch)
+
+    def _order_of(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            for old in [e for e in self._orders if e < self.epoch]:
+                del self._orders[old]
+            self._orders[epoch] = self._epoch_order(epoch)
+        return self._orders[epoch]
 
     def _epoch_order(self, epoch: int) -> list[int]:
         from torch.utils.data import DistributedSampler  # the standard sharding rule, so A data matches any DDP trainer
@@ -93,38 +121,70 @@ class ChannelAData:
     def _draw(self) -> _Ref:
         if self.position >= len(self._order):
             self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._epoch_order(self.epoch)
         ref = _Ref(self.epoch, self._order[self.position])
         self.position += 1
         self.counters["samples_drawn"] += 1
         return ref
 
     def _encode(self, ref: _Ref, ver: int) -> Segment | None:
-        where = f"{self.source}:{ref.line + 1}"
-        try:
-            raw = json.loads(self.lines[ref.line])
-            record = load_record(raw, where=where, coord_mode=self.cfg.data.coord_mode)
-            # existence only: opening every image twice per draw would double the decode cost
-            check_images(record, self.encoder.image_root or ".", where, open_images=False)
-            target = channel_a_target(
-                canonical_order(record.objects), self.encoder.tokenizer,
-                desc_ce_weight=self.cfg.stage2_ab.desc_ce_weight, coord_ids=self.encoder.coord_ids,
-                answer_format=self.encoder.prompts.answer_format,
-            )
-        except ValueError as exc:  # RecordError / TargetError / JSONDecodeError
+        """In this process (the synchronous path, and the carry on load)."""
+        return self._consume(encode_line(self.cfg, self.encoder, self.source, self.lines[ref.line], ref.epoch,
+                                         ref.line, ver), ver)
+
+    def _consume(self, out: Encoded, ver: int) -> Segment | None:
+        """A sample's counters and ``data.on_bad_record`` (fail raises here, naming the record) when it is taken."""
+        if out.error is not None:
             self.counters["record_errors"] += 1
-            self.bad_records.handle(exc)  # data.on_bad_record: fail raises here
+            self.bad_records.handle(out.error)
             return None
-        sample_id = f"A:{record.id if record.id is not None else ref.line}@{ref.epoch}"
-        before = self.encoder.counters["too_long_dropped"]
-        segment = self.encoder.encode(record, target, sample_id=sample_id, channel="A", ver=ver)
-        self.counters["too_long_dropped"] += self.encoder.counters["too_long_dropped"] - before
-        return segment
+        self.counters["too_long_dropped"] += out.too_long
+        seg = out.segment
+        return seg if seg is None or seg.ver == ver else retag(seg, ver)
+
+    def _take(self, ver: int) -> tuple[_Ref, Segment | None]:
+        """The next ref in sampler order and its segment: encoded now, or by the pool ahead of time."""
+        if self._closed:
+            raise RuntimeError("ChannelAData.next_window after close()")
+        if self.pool is None:
+            ref = self._draw()
+            return ref, self._encode(ref, ver)
+        self._submit_ahead()
+        ref = self._draw()
+        ahead, future = self._ahead.popleft()
+        assert (ahead.epoch, ahead.line) == (ref.epoch, ref.line), (ahead, ref)  # the lookahead follows the sampler
+        self._submit_ahead()  # keep the workers busy while this one is awaited
+        return ref, self._consume(self.pool.result(future, f"{self.source}:{ref.line + 1}"), ver)
+
+    def _submit_ahead(self) -> None:
+        assert self.pool is not None
+        epoch, position = self._submit_at
+        while len(self._ahead) < max(4 * self.pool.workers, 2 * self._window_draws):
+            if position >= len(self._order_of(epoch)):
+                epoch, position = epoch + 1, 0
+            ref = _Ref(epoch, self._order_of(epoch)[position])
+            position += 1
+            self._ahead.append((ref, self.pool.submit(self.source, self.lines[ref.line], ref.epoch, ref.line, 0)))
+        self._submit_at = (epoch, position)
+
+    def _drop_ahead(self) -> None:
+        for _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+        self._submit_at = (self.epoch, self.position)
+
+    def close(self) -> None:
+        """Shut the encode workers down (pending encodes cancelled); safe to call twice. The owner calls it once the
+        thread that draws windows is done with this object."""
+        self._closed = True
+        self._drop_ahead()
+        if self.pool is not None and self._owns_pool:
+            self.pool.close()
 
     def next_window(self, ver: int) -> list[Pack]:
         """Exactly GA packs for one A step, as full as whole samples make them (segments tagged ``ver``).
 
-        The synchronous path: image decoding + processor + targets, ~3 ms per tiny sample on CPU.
+        The synchronous path: image decoding + processor + targets, ~3 ms per tiny sample on CPU
+        (``data.encode_workers > 0``: taken from the workers' lookahead, already encoded).
         The learner calls it on the Channel-A prefetch thread (learner/prefetch.py), one window
         ahead, and retags the segments with its ver when it takes the window.
         """
@@ -144,10 +204,11 @@ class ChannelAData:
         for ref, seg in self.carry:
             place(ref, seg if seg.ver == ver else retag(seg, ver))
         unusable = 0
+        drawn = self.counters["samples_drawn"]
         while len(carry) < 2 * self.ga and (self.samples is None or not all(packs)
                                            or sum(map(len, packs)) + len(carry) < self.samples):
-            ref = self._draw()
-            if (seg := self._encode(ref, ver)) is None:
+            ref, seg = self._take(ver)
+            if seg is None:
                 unusable += 1
                 if unusable >= 100 * self.ga:
                     raise RuntimeError(
@@ -159,6 +220,7 @@ class ChannelAData:
             place(ref, seg)
         self.carry = carry
         self.counters["window_carry"] = len(carry)
+        self._window_draws = max(1, self.counters["samples_drawn"] - drawn)
         return [Pack(ver=ver, channel="A", segments=p) for p in packs]
 
     # -- checkpoint ------------------------------------------------------------------------------
@@ -171,7 +233,7 @@ class ChannelAData:
 
     def load_state_dict(self, state: dict[str, Any], ver: int) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._epoch_order(self.epoch)
+        self._drop_ahead()  # encoded for the old position
         self.counters.update(state.get("counters", {}))
         self.carry = []
         for epoch, line in state.get("carry", []):

@@ -11,7 +11,7 @@ and of the vision tower, then the root (embeddings, norm, lm_head)::
 Frozen and trained parameters share a unit: ``model.freeze`` groups, and under ``model.adapter`` every base
 weight beside its block's trained ``lora_*`` tensors (learner/recipe.py injects peft's layers before the wrap).
 FSDP2 shards and gathers them alike; only parameters that take a gradient are reduce-scattered and get AdamW
-state (tests/test_recipe_fsdp.py, tests/test_recipe_fsdp_adapter.py).
+state (tests/test_recipe_fsdp.py, tests/test_recipe_resume.py).
 
 Where the weights live: the learner loads the model on the CPU under ``fsdp`` (:func:`load_device`);
 ``fully_shard`` moves each block's parameters to the rank's device as it shards them, so without

@@ -392,6 +392,8 @@ class Learner:
         self.sync.close()  # waits for a push in flight up to its deadline (rank 0)
         if self.a_windows is not None:
             self.a_windows.close()
+        if getattr(self, "data_a", None) is not None:  # after the prefetch thread that owns it: its encode workers
+            self.data_a.close()
         if self.queue is not None:
             self.queue.stop()
         if self._intake is not None:

@@ -144,35 +144,38 @@ def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
     ga = cfg.derived.gradient_accumulation_steps
     data = ChannelAData(cfg, encoder_from_config(cfg), rank=0, world_size=1, ga=ga,
                         samples=cfg.training.per_device_train_batch_size * ga)  # the recipe's batch, not full packs
-    weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature, ab.coord_ce_weight)
-    every = max(1, t.log_every_steps)
-    started = time.monotonic()
-    last: dict[str, float] = {}
-    with (out_tmp / METRICS_FILE).open("w", encoding="utf-8") as metrics:
-        for step in range(t.max_steps):
-            t0 = time.monotonic()
-            inputs = [pack_inputs(p.tensors(), cfg.model.attn_implementation, dtype, device) for p in data.next_window(0)]
-            norm = Normaliser(ce_tokens=sum(i.rows.n_ce for i in inputs), boxes=sum(i.rows.n_boxes for i in inputs))
-            sums = dict.fromkeys(("total", "ce", "bbox_smoothl1", "bbox_ciou", "coord_ce"), 0.0)
-            for inp in inputs:
-                terms = forward_loss(model, inp, coord_ids_t, norm, weights, t.loss_head)
-                terms.backward.backward()
-                for k in sums:
-                    sums[k] += getattr(terms, k)
-            if not math.isfinite(sums["total"]):
-                raise FloatingPointError(f"warm start step {step}: loss {sums['total']} is not finite. Fix: lower "
-                                         f"training.lr (now {t.lr}) or raise training.warmup_steps")
-            grad_norm = clip_and_step(model, optimizer, scheduler, t.max_grad_norm)
-            last = {f"loss/{k}": v for k, v in sums.items()}
-            if step % every == 0 or step + 1 == t.max_steps:
-                rec = {"step": step + 1, **last, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
-                       "time/step": time.monotonic() - t0, "time/elapsed": time.monotonic() - started,
-                       "packing/tokens": sum(i.n_tokens for i in inputs)}
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-                if t.progress:
-                    log.info("step %d/%d  loss %.3f (ce %.3f, coord ce %.3f, ciou %.3f)  %.0f s", step + 1, t.max_steps,
-                             sums["total"], sums["ce"], sums["coord_ce"], sums["bbox_ciou"], time.monotonic() - started)
+    try:  # data.encode_workers > 0: its worker processes end with the training
+        weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature, ab.coord_ce_weight)
+        every = max(1, t.log_every_steps)
+        started = time.monotonic()
+        last: dict[str, float] = {}
+        with (out_tmp / METRICS_FILE).open("w", encoding="utf-8") as metrics:
+            for step in range(t.max_steps):
+                t0 = time.monotonic()
+                inputs = [pack_inputs(p.tensors(), cfg.model.attn_implementation, dtype, device) for p in data.next_window(0)]
+                norm = Normaliser(ce_tokens=sum(i.rows.n_ce for i in inputs), boxes=sum(i.rows.n_boxes for i in inputs))
+                sums = dict.fromkeys(("total", "ce", "bbox_smoothl1", "bbox_ciou", "coord_ce"), 0.0)
+                for inp in inputs:
+                    terms = forward_loss(model, inp, coord_ids_t, norm, weights, t.loss_head)
+                    terms.backward.backward()
+                    for k in sums:
+                        sums[k] += getattr(terms, k)
+                if not math.isfinite(sums["total"]):
+                    raise FloatingPointError(f"warm start step {step}: loss {sums['total']} is not finite. Fix: lower "
+                                             f"training.lr (now {t.lr}) or raise training.warmup_steps")
+                grad_norm = clip_and_step(model, optimizer, scheduler, t.max_grad_norm)
+                last = {f"loss/{k}": v for k, v in sums.items()}
+                if step % every == 0 or step + 1 == t.max_steps:
+                    rec = {"step": step + 1, **last, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
+                           "time/step": time.monotonic() - t0, "time/elapsed": time.monotonic() - started,
+                           "packing/tokens": sum(i.n_tokens for i in inputs)}
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
+                    if t.progress:
+                        log.info("step %d/%d  loss %.3f (ce %.3f, coord ce %.3f, ciou %.3f)  %.0f s", step + 1, t.max_steps,
+                                 sums["total"], sums["ce"], sums["coord_ce"], sums["bbox_ciou"], time.monotonic() - started)
+    finally:
+        data.close()
     model.eval()
     model.save_pretrained(out_tmp)
     copy_model_side_files(Path(cfg.model.path), out_tmp)

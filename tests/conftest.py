@@ -48,6 +48,21 @@ def synth_data_dir() -> Path:
     return ensure_synthetic_data(ARTIFACTS / "data" / "synth-test", n=64, seed=0)
 
 
+@pytest.fixture
+def two_of_three_bad(tmp_path, synth_data_dir) -> Path:
+    """A train.jsonl of three records: line 1 good; line 2 a box past the image; line 3 an image that does not exist."""
+    import json
+
+    good = [json.loads(line) for line in (synth_data_dir / "train.jsonl").read_text().splitlines()[:3]]
+    for rec in good:
+        rec["images"] = [str(synth_data_dir / p) for p in rec["images"]]
+    good[1]["objects"][0]["bbox_2d"] = [0, 0, good[1]["width"] + 50, 4]
+    good[2]["images"] = [str(tmp_path / "gone.png")]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """``artifacts/tiny-model``: the tiny Qwen2.5-VL with coord tokens (tools/make_tiny_model.py)."""
@@ -127,14 +142,14 @@ INTEGRATION_FILES = frozenset({
     "test_bench_vs_vllm_serve.py", "test_ci_groups.py", "test_cli.py", "test_collective_sync_cpu.py",
     "test_console_progress.py",
     "test_coord_mode.py", "test_data_convert.py", "test_data_train.py", "test_demo_dora.py", "test_deploy.py",
-    "test_detection_eval.py", "test_evaluator_cli.py", "test_fence.py", "test_full_topology.py", "test_gpu_vllm.py",
+    "test_detection_eval.py", "test_encode_pool.py", "test_evaluator_cli.py", "test_fence.py", "test_full_topology.py", "test_gpu_vllm.py",
     "test_gpu_weight_sync.py", "test_image_size.py", "test_launch_anywhere.py", "test_lean_pixels.py",
     "test_learner_async.py", "test_learner_distributed.py", "test_learner_eval.py", "test_learner_fsdp.py",
     "test_learner_fsdp_checkpoint.py", "test_learner_harness.py", "test_learner_modes.py", "test_learner_overlap.py",
     "test_learner_resume.py", "test_load_plan.py", "test_loss.py", "test_loss_head.py", "test_multinode.py",
     "test_openai_compat.py", "test_openapi_fuzz.py", "test_output_dir.py", "test_pack_admission.py",
     "test_plot_results.py", "test_prompts.py", "test_protocol.py", "test_qwen3_vl.py", "test_recipe.py",
-    "test_recipe_fsdp.py", "test_recipe_fsdp_adapter.py", "test_recipe_resume.py", "test_rollout_client.py",
+    "test_recipe_fsdp.py", "test_recipe_resume.py", "test_rollout_client.py",
     "test_rollout_server.py", "test_run_bookkeeping.py", "test_server_bad_input.py", "test_server_rejoin.py",
     "test_server_untrusted_input.py", "test_stage_b_dist.py", "test_supervisor.py", "test_sync_adapter.py",
     "test_sync_fsdp.py", "test_sync_fsdp_adapter.py", "test_sync_ipc.py", "test_sync_stream.py",

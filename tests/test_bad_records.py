@@ -3,7 +3,6 @@ the fix; skip trains on the good records, counting the bad ones and logging each
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -16,19 +15,6 @@ from common.data.check import BadRecordError, start_problems
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
-
-
-@pytest.fixture
-def two_of_three_bad(tmp_path, synth_data_dir) -> Path:
-    """Line 1 good; line 2 a box past the image; line 3 an image that does not exist."""
-    good = [json.loads(line) for line in (synth_data_dir / "train.jsonl").read_text().splitlines()[:3]]
-    for rec in good:
-        rec["images"] = [str(synth_data_dir / p) for p in rec["images"]]
-    good[1]["objects"][0]["bbox_2d"] = [0, 0, good[1]["width"] + 50, 4]
-    good[2]["images"] = [str(tmp_path / "gone.png")]
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in good))
-    return path
 
 
 def cfg_of(path: Path, *overrides: str, model: Path | None = None):

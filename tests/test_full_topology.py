@@ -230,6 +230,10 @@ def test_a_killed_actor_is_restarted_and_ctrl_c_then_tears_everything_down_witho
     path, cfg = _config(tmp_path, tiny_model_dir, synth_data_dir)
     cfg_over = yaml.safe_load(path.read_text())
     cfg_over["training"]["max_steps"] = 10_000  # it must still be running when the events come
+    # Not what this test is about, and each costs wall time: the start-up evaluation before the first step, and
+    # the actors' 10 s (actor.stop_timeout_s) of trying to hand their last packs to the learner Ctrl-C stopped.
+    cfg_over["data"]["val_jsonl"] = None
+    cfg_over["actor"] = {**cfg_over.get("actor", {}), "stop_timeout_s": 2.0}
     path.write_text(yaml.safe_dump(cfg_over))
     run, log = Path(cfg["training"]["output_dir"]), tmp_path / "launcher.log"
     proc = _start_launcher(path, log)

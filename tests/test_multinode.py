@@ -132,6 +132,9 @@ def test_a_learner_node_that_dies_ends_the_run_on_the_other_node_with_a_named_er
                                                                                    detector_data_dir):
     path, cfg = _config(tmp_path, tiny_detector_dir, detector_data_dir)
     cfg["training"]["max_steps"] = 10_000  # still training when node 1 dies
+    # Each node's actor then tries for actor.stop_timeout_s (10 s) to hand its last packs to a learner that is
+    # gone: no part of this test, only its wall time.
+    cfg["actor"] = {**cfg.get("actor", {}), "stop_timeout_s": 2.0}
     path.write_text(yaml.safe_dump(cfg))
     run, logs = Path(cfg["training"]["output_dir"]), [tmp_path / "node0.out", tmp_path / "node1.out"]
     procs = [_launch(path, node, logs[node]) for node in (0, 1)]

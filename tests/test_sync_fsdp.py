@@ -380,14 +380,20 @@ def _run(tmp: Path, scenario: str, urls: list[str], model_dir: Path, extra: list
 
 
 @pytest.fixture(scope="module")
-def landed(tiny_model_dir, tmp_path_factory):
+def server(tiny_model_dir):
+    """The ``land`` and ``adapter`` scenarios' server (a push asks for ver + 1 at least; the server takes the larger)."""
     from tests.server_proc import rollout_server_process
 
     with rollout_server_process(tiny_model_dir, []) as srv:
-        t0 = time.monotonic()
-        results = _run(tmp_path_factory.mktemp("fsdp-land"), "land", [srv.url], tiny_model_dir)
-        print(f"fsdp land scenario: {time.monotonic() - t0:.1f}s")
-        return results
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def landed(server, tiny_model_dir, tmp_path_factory):
+    t0 = time.monotonic()
+    results = _run(tmp_path_factory.mktemp("fsdp-land"), "land", [server.url], tiny_model_dir)
+    print(f"fsdp land scenario: {time.monotonic() - t0:.1f}s")
+    return results
 
 
 @pytest.mark.slow
@@ -453,13 +459,11 @@ def test_a_push_failing_mid_way_leaves_both_ranks_alive_on_the_old_ver(tiny_mode
 
 
 @pytest.mark.slow
-def test_a_sharded_adapter_policy_pushes_its_merged_weights_bit_exact_and_keeps_its_base(tiny_model_dir, tmp_path):
+def test_a_sharded_adapter_policy_pushes_its_merged_weights_bit_exact_and_keeps_its_base(server, tiny_model_dir,
+                                                                                        tmp_path):
     """``model.adapter.sync: merged`` under FSDP2: every rank gathers each adapted layer's base and adapter, rank 0
     merges them (peft's math) and pushes; the server's digest equals peft's own in-place merge of the full state."""
-    from tests.server_proc import rollout_server_process
-
-    with rollout_server_process(tiny_model_dir, []) as srv:
-        r0, r1 = _run(tmp_path, "adapter", [srv.url], tiny_model_dir)
+    r0, r1 = _run(tmp_path, "adapter", [server.url], tiny_model_dir)
     for mode in ("blocking", "overlap"):
         push = r0[mode]
         assert push["ok"] and r1[mode]["ok"] and push["ver"] == r1[mode]["ver"] == push["served"]["ver"], mode

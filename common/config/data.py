@@ -50,6 +50,13 @@ class DataConfig:
     num_records_checked_at_start: int = doc(
         "Records of train_jsonl (from the top) checked at start under on_bad_record: fail: the contract, the "
         "coordinate mode, that the images exist, open and have the record's width x height. 0 = none.", 1000)
+    encode_workers: int = doc(
+        "Worker processes that encode Channel-A samples (JSON record, target, processor, tokenizer, rope index) "
+        "ahead of the window that takes them, like DataLoader workers: each learner rank (and the warm start) "
+        "starts its own (spawn); each worker loads model.path's processor and tokenizer once (memory and a few "
+        "seconds of start-up per worker, no weights) and uses a CPU core. 0 = encode in the process that builds "
+        "the window; windows, resume and bad-record handling are the same either way. A few per rank help when "
+        "building a window takes longer than the step trains (small models, large or crowded images).", 0)
     min_pixels: int | None = doc(
         "Smallest image area (width × height, pixels) an image is resized up to, aspect ratio kept. Applied alike by "
         "the learner's and the actors' encoder, the rollout server (hf engine: the same processor; vllm: "
@@ -64,9 +71,14 @@ class DataConfig:
 
 
 def check_data_rules(cfg: Any, problems: Any) -> None:
-    """``data.min_pixels`` / ``data.max_pixels``: positive, min ≤ max and, where ``model.path`` holds a
-    preprocessor_config.json, at least one merged patch and in range with the model's value for the unset key."""
+    """``data.encode_workers`` ≥ 0; ``data.min_pixels`` / ``data.max_pixels``: positive, min ≤ max and, where
+    ``model.path`` holds a preprocessor_config.json, at least one merged patch and in range with the model's value
+    for the unset key."""
     d = cfg.data
+    if isinstance(d.encode_workers, int) and d.encode_workers < 0:
+        problems.add("data.encode_workers", d.encode_workers, "must be ≥ 0",
+                     "use 0 to encode Channel-A samples in the learner process, or a number of worker processes "
+                     "such as 2")
     lo = d.min_pixels if isinstance(d.min_pixels, int) else None
     hi = d.max_pixels if isinstance(d.max_pixels, int) else None
     if lo is None and hi is None:
