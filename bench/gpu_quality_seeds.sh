@@ -15,7 +15,11 @@
 # warm stage left in WORK), GPUS (slots, 0,1,2), SEEDS (3), ARMS (a_only,async_ab,step), BUDGET_S (learner seconds
 # per run, 30), EVAL_EVERY (steps between evaluations, 0: the two ends only), LR (Stage-2 lr, 2e-5), VAL_IMAGES
 # (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (16), WS_WORKERS
-# (data.encode_workers of the warm start: 12; building a 16-sample window in-process took as long as its step), N_TRAIN
+# (data.encode_workers of the warm start: 12; building a 16-sample window in-process took as long as its step),
+# PRESET (tools/make_tiny_model.py: tiny; small: 14x the parameters, not yet run on a GPU; a tiny step there was
+# kernel launches, the GPU 7-21 % busy),
+# MAX_PIXELS (the model's image area cap: 28224 = 168 px, 6 x 6 merged patches), SIDES (crowded image sides, e.g.
+# 336 with MAX_PIXELS=112896: 12 x 12 merged patches; empty: the crowded preset's 112..168), N_TRAIN
 # (1536: ~14 ms an image to draw on one core), TOTAL_S (470: the benchmark's deadline is what is left of it, so
 # results come back in time), OUT.
 # Without CUDA the runs go to the CPU (the slots are then port sets only): the smoke test of this script.
@@ -36,6 +40,9 @@ WS_BUDGET_S=${WS_BUDGET_S:-140}
 WS_LR=${WS_LR:-2e-3}
 WS_BATCH=${WS_BATCH:-16}
 WS_WORKERS=${WS_WORKERS:-12}
+PRESET=${PRESET:-tiny}
+MAX_PIXELS=${MAX_PIXELS:-28224}
+SIDES=${SIDES:-}
 N_TRAIN=${N_TRAIN:-1536}
 TOTAL_S=${TOTAL_S:-470}
 OUT=${OUT:-runs/gpu-quality-seeds}
@@ -96,8 +103,9 @@ trap collect EXIT
 case $STAGE in all|warm|bench) ;; *) echo "STAGE=$STAGE: one of all, warm, bench" >&2; exit 2;; esac
 DATA_KEYS=(data.train_jsonl="$DATA/train.jsonl" data.val_jsonl="$DATA/val.jsonl")
 if [ "$STAGE" != bench ]; then
-stage model 120 python3 tools/make_tiny_model.py --preset tiny --max-pixels 28224 --out "$BASE" || exit 1
-stage data 180 python3 -m common.data.synthetic --crowded --out "$DATA" --split "$N_TRAIN/64" --seed 0 || exit 1
+stage model 120 python3 tools/make_tiny_model.py --preset "$PRESET" --max-pixels "$MAX_PIXELS" --out "$BASE" || exit 1
+stage data 240 python3 -m common.data.synthetic --crowded ${SIDES:+--sides "$SIDES"} --out "$DATA" --split "$N_TRAIN/64" \
+    --seed 0 || exit 1
 # The validation set of VAL_IMAGES (bench_quality.larger_val_set: it renders the training records again
 # beside it) is drawn on the CPU while the warm start trains; the benchmark then finds it built.
 timeout -k 5 240 python3 -c "import sys; sys.path.insert(0, 'bench'); import bench_quality as bq

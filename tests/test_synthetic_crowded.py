@@ -55,3 +55,14 @@ def test_on_a_crowded_image_repeated_boxes_count_as_duplicates_and_land_in_their
     assert abs(report.recall - len(half) / len(gt)) < 1e-12
     bucket = "10_19" if len(gt) < 20 else "20_39" if len(gt) < 40 else "40_plus"
     assert list(report.by_gt_count) == [bucket] and report.by_gt_count[bucket]["f1"] == report.f1
+
+
+def test_sides_given_with_crowded_replace_its_sides_and_keep_the_rest_of_the_preset(tmp_path):
+    out = tmp_path / "crowded336"
+    r = subprocess.run([sys.executable, "-m", "tandem", "data", "synth", "--crowded", "--sides", "336", "--out",
+                        str(out), "--split", "2/1", "--seed", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    params = json.loads((out / "manifest.json").read_text())["params"]
+    assert params["sides"] == [336] and (params["min_objects"], params["max_objects"]) == (10, 40)
+    records = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert all((rec["width"], rec["height"]) == (336, 336) and len(rec["objects"]) >= 10 for rec in records)

@@ -104,6 +104,17 @@ PRESETS: dict[str, dict] = {
         # the same 3000 warm-start steps (docs/warm_start.md).
         rope_theta=10.0,
     ),
+    # ~11 M parameters in float32: the GPU quality benchmark's detector for crowded scenes, which the tiny preset
+    # cannot localise (docs/benchmarks.md section 21: a 1,800-step warm start plateaued at F1 0.008). A tiny step on
+    # an H200 was kernel launches more than arithmetic (the GPU 7-21 % busy), so this one should cost little more a
+    # step there; not measured yet.
+    "small": dict(
+        text=_text(384, 6, 6, 2, 1024),
+        vision=dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, window_size=112,
+                    fullatt_block_indexes=[1, 3]),
+        tie=True, dtype="float32",
+        rope_theta=10.0,  # as tiny: small grids of image tokens need the fast rotations to tell positions apart
+    ),
     # ~312 MB of float32 weights on the tiny vision tower: the HTTP weight-sync benchmark (bench/bench_http_sync.py)
     "sync-300mb": dict(text=_text(1024, 5, 8, 2, 4096), vision=dict(depth=2, hidden_size=64, intermediate_size=128,
                        num_heads=4, window_size=56, fullatt_block_indexes=[1]), tie=True, dtype="float32"),

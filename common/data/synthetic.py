@@ -302,17 +302,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default: %(default)s)")
     parser.add_argument("--split", default=None, metavar="TRAIN/VAL", help="explicit counts, e.g. 56/8 (overrides --n)")
     parser.add_argument("--force", action="store_true", help="regenerate even if the outputs are up to date")
-    parser.add_argument("--sides", default=",".join(map(str, DEFAULT_SIDES)), help="image side choices in px (default: %(default)s)")
-    parser.add_argument("--max-objects", type=int, default=MAX_OBJECTS, help="shapes per image, 1..N (default: %(default)s)")
-    parser.add_argument("--size-range", default="/".join(map(str, DEFAULT_SIZE_RANGE)), metavar="LOW/HIGH",
-                        help="shape box side as a share of the shorter image side (default: %(default)s)")
+    parser.add_argument("--sides", default=None,
+                        help=f"image side choices in px (default: {','.join(map(str, DEFAULT_SIDES))}; --crowded: "
+                             f"{','.join(map(str, CROWDED['sides']))})")
+    parser.add_argument("--max-objects", type=int, default=None,
+                        help=f"shapes per image, 1..N (default: {MAX_OBJECTS}; --crowded: {CROWDED['max_objects']})")
+    parser.add_argument("--size-range", default=None, metavar="LOW/HIGH",
+                        help="shape box side as a share of the shorter image side (default: "
+                             f"{'/'.join(map(str, DEFAULT_SIZE_RANGE))}; --crowded: "
+                             f"{'/'.join(map(str, CROWDED['size_range']))})")
     parser.add_argument("--crowded", action="store_true",
-                        help="crowded scenes: 10..40 small overlapping shapes with near-duplicates on 112..168 px "
-                             "(replaces --sides, --max-objects, --size-range)")
+                        help="crowded scenes: 10..40 small overlapping shapes with near-duplicates on 112..168 px; "
+                             "--sides, --max-objects and --size-range given as well replace those values")
     args = parser.parse_args(argv)
     try:
-        sides = tuple(int(x) for x in args.sides.split(","))
-        size_range = tuple(float(x) for x in args.size_range.split("/"))
+        sides = tuple(int(x) for x in args.sides.split(",")) if args.sides is not None else None
+        size_range = tuple(float(x) for x in args.size_range.split("/")) if args.size_range is not None else None
     except ValueError:
         parser.error(f"--sides must look like 56,84,112 and --size-range like 0.12/0.6, got {args.sides!r}, {args.size_range!r}")
     split = None
@@ -322,8 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             split = (a, b)
         except ValueError:
             parser.error(f"--split must look like TRAIN/VAL, e.g. 56/8, got {args.split!r}")
-    shape_args = dict(CROWDED) if args.crowded else {"sides": sides, "max_objects": args.max_objects,
-                                                      "size_range": size_range}
+    shape_args = dict(CROWDED) if args.crowded else {"sides": DEFAULT_SIDES, "max_objects": MAX_OBJECTS,
+                                                      "size_range": DEFAULT_SIZE_RANGE}
+    given = {"sides": sides, "max_objects": args.max_objects, "size_range": size_range}
+    shape_args.update({k: v for k, v in given.items() if v is not None})  # what the command line names wins
     try:
         train = generate(args.out, n=args.n, seed=args.seed, split=split, force=args.force, **shape_args)
     except (ValueError, FileExistsError) as e:
