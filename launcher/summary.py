@@ -18,6 +18,7 @@ from typing import Any
 from common.runs import cli
 from common.detection.matching import precision_recall_f1
 from launcher.bounds import b_bound, format_bound
+from launcher.summary_eval import eval_lines, summarize_evals
 
 K = "stage2_ab/async/"
 
@@ -101,6 +102,22 @@ def read_final_state(run_dir: Path, records: list[dict[str, Any]],
     return state if isinstance(state, dict) and isinstance(state.get("ver"), int) else None
 
 
+def _loss_ends(records: list[dict], b_recs: list[dict]) -> dict:
+    """First and last ``loss/total`` of the A steps and of the B steps (None where a channel has no step)."""
+    a_recs = [r for r in records if not r.get(K + "step_kind_b")]
+    out = {}
+    for ch, recs in (("a", a_recs), ("b", b_recs)):
+        losses = [r["loss/total"] for r in recs if r.get("loss/total") is not None]
+        out[f"loss_first_{ch}"], out[f"loss_last_{ch}"] = (losses[0], losses[-1]) if losses else (None, None)
+    return out
+
+
+def _loss_line(s: dict, f: Any) -> str:
+    parts = [f"{ch.upper()} {f(s.get(f'loss_first_{ch}'))} → {f(s.get(f'loss_last_{ch}'))}"
+             for ch in ("a", "b") if s.get(f"loss_first_{ch}") is not None]
+    return "loss first → last      " + ("; ".join(parts) if parts else f"{f(s['loss_first'])} → {f(s['loss_last'])}")
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -155,6 +172,9 @@ def summarize(records: list[dict[str, Any]], final: dict[str, Any] | None = None
         **rollout_totals(b_recs),
         "loss_first": records[0].get("loss/total"),
         "loss_last": last.get("loss/total"),
+        # per channel: A and B steps weigh different terms (A: CE + geometry (+ coord CE), B: its rollout targets),
+        # so a first-to-last across channels says nothing about learning
+        **_loss_ends(records, b_recs),
         **_sync_stall(records),
         **learner_resources(records),
         "eval": summarize_evals(evals or []),
@@ -206,38 +226,6 @@ def rollout_totals(b_records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 #: The evaluation keys the summary keeps (``eval/<name>`` in the record, ``<name>`` in summary.json).
-EVAL_KEYS = ("precision", "recall", "f1", "f1_ci_low", "f1_ci_high", "map", "map_50", "map_per_class",
-             "parse_failure_rate", "truncated_rate", "objects_per_image", "gt_per_image", "n_images", "mean_matched_iou",
-             "duplicate_rate", "ver")
-
-
-def summarize_evals(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """First, best (highest ``eval/f1``; the later on ties) and last evaluation, or None without any."""
-    if not evals:
-        return None
-
-    def point(r: dict[str, Any]) -> dict[str, Any]:
-        return {"step": r.get("step"), **{k: r.get(f"eval/{k}") for k in EVAL_KEYS}}
-
-    scored = [r for r in evals if isinstance(r.get("eval/f1"), (int, float))]
-    best = max(reversed(scored), key=lambda r: r["eval/f1"]) if scored else None
-    return {"n": len(evals), "best_by": "f1", "first": point(evals[0]),
-            "best": point(best) if best is not None else None, "last": point(evals[-1]),
-            "f1_change": f1_change(evals[0], evals[-1]) if len(evals) > 1 else None}
-
-
-def f1_change(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any] | None:
-    """Last − first val F1 with its paired-bootstrap interval over the same images (common/evaluation/stats.py);
-    None when a record lacks ``eval/image_counts`` (older runs) or the two scored different image counts."""
-    from common.evaluation.stats import ImageCounts, paired_f1_difference
-
-    try:
-        before, after = (ImageCounts.from_dict(r.get("eval/image_counts")) for r in (first, last))
-    except ValueError:
-        return None
-    return paired_f1_difference(before, after)
-
-
 def _sync_stall(records: list[dict[str, Any]]) -> dict[str, Any]:
     """What weight syncs cost the learner: the stall per sync (median, the start-up sync left out: it
     also builds the transfer group) and the share of training time (sum of ``time/step``) spent stalled.
@@ -307,9 +295,9 @@ def format_summary(s: dict[str, Any], wall_s: float | None = None, exit_codes: d
         f"for A windows {s.get('wait_for_a_window_s', 0.0):.2f} s; inputs {s.get('prepare_inputs_s', 0.0):.2f} s, "
         f"other {s.get('other_s', 0.0):.2f} s; optimizer steps {s.get('optimizer_step_s', 0.0):.2f} s)",
         _rollout_line(s, f),
-        f"loss first → last      {f(s['loss_first'])} → {f(s['loss_last'])}",
+        _loss_line(s, f),
         _learner_line(s, f),
-        *_eval_lines(s.get("eval"), s.get("val_jsonl"), f),
+        *eval_lines(s.get("eval"), s.get("val_jsonl"), f),
         *([f"best checkpoint        step {b['step']} ({b['metric']} {f(b['value'])}, the best of those kept): {b['path']}"]
           if (b := s.get("best_checkpoint")) else []),
     ]
@@ -347,38 +335,6 @@ def _rollout_line(s: dict[str, Any], f: Any) -> str:
         line += (f"\nB rollouts parsed      {100 * s['rollouts_valid_share']:.0f} % of {s['rollouts_trained']} "
                  "to ≥ 1 valid object")
     return line
-
-
-def _eval_lines(ev: dict[str, Any] | None, val_jsonl: Any, f: Any) -> list[str]:
-    """``val F1@0.5 / mAP first → best → last`` and the last evaluation's parse failures and box counts."""
-    if not ev:
-        if val_jsonl is False:
-            return ["validation             no evaluation (data.val_jsonl unset)"]
-        if val_jsonl:
-            return [f"validation             no evaluation records (data.val_jsonl = {val_jsonl}; did the run reach "
-                    "its first evaluation? see the learner log)"]
-        return ["validation             no evaluation records"]
-
-    def at(p: dict[str, Any] | None) -> str:
-        return "n/a" if p is None else f"{f(p.get('f1'))} / {f(p.get('map'))} (step {p.get('step')})"
-
-    last = ev["last"]
-    one = lambda x, fmt: "n/a" if not isinstance(x, (int, float)) else format(x, fmt)  # noqa: E731
-    lines = [
-        f"val F1@0.5 / mAP       first {at(ev['first'])} → best {at(ev['best'])} → last {at(last)}",
-        f"val parse fail / obj   {one(last.get('parse_failure_rate'), '.2f')} / "
-        f"{one(last.get('objects_per_image'), '.1f')} per image (GT {one(last.get('gt_per_image'), '.1f')})",
-    ]
-    # The best evaluation gets no interval: the maximum of noisy evaluations is biased upwards.
-    ci = lambda p: f"[{f(p.get('f1_ci_low'))}, {f(p.get('f1_ci_high'))}]"  # noqa: E731
-    if last.get("f1_ci_low") is not None:
-        lines.append(f"val F1@0.5 95 % CI     first {ci(ev['first'])} → last {ci(last)}  (bootstrap over "
-                     f"{last.get('n_images')} images)")
-    if (d := ev.get("f1_change")) is not None:
-        lines.append(f"val F1 last − first   {d['diff']:+.3f}  95 % CI [{d['low']:+.3f}, {d['high']:+.3f}] (paired "
-                     f"bootstrap, same {d['n_images']} images): "
-                     + ("outside the noise" if d["outside_noise"] else "within the noise"))
-    return lines
 
 
 def _run_config_section(run_dir: Path, section: str) -> dict[str, Any] | None:

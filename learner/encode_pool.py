@@ -30,6 +30,7 @@ import multiprocessing
 import pickle
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, NamedTuple
 
@@ -42,6 +43,7 @@ from common.packing.segment import Segment
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 30.0  # EncodePool.close(): how long workers may take to finish their sample and exit
+RESULT_TIMEOUT_S = 300.0  # EncodePool.result(): one sample (a few ms; a worker's start-up a few s) waited for at most
 
 
 class Encoded(NamedTuple):
@@ -159,10 +161,17 @@ class EncodePool:
             raise RuntimeError("the Channel-A encode pool is closed")
         return self._pool.submit(_encode_in_worker, source, line_text, epoch, line, ver)
 
-    def result(self, future: Future, where: str) -> Encoded:
-        """The future's Encoded; a dead worker is reported as such (naming the sample and the key)."""
+    def result(self, future: Future, where: str, timeout_s: float = RESULT_TIMEOUT_S) -> Encoded:
+        """The future's Encoded; a dead worker is reported as such (naming the sample and the key), and one that has
+        not answered within ``timeout_s`` as a TimeoutError naming what was awaited."""
         try:
-            return future.result()
+            return future.result(timeout=timeout_s)
+        except FutureTimeout as exc:
+            raise TimeoutError(
+                f"no Channel-A encode worker returned {where} within {timeout_s:.0f}s (data.encode_workers = "
+                f"{self.workers}): a worker is stuck (an image read on a hung filesystem?) or every one is busy far "
+                "longer than a sample takes. Fix: check the image path's storage, or set data.encode_workers: 0 to "
+                "encode in this process and see where it blocks") from exc
         except BrokenProcessPool as exc:
             raise RuntimeError(
                 f"a Channel-A encode worker died while encoding {where} (data.encode_workers = {self.workers}); "
@@ -187,3 +196,8 @@ class EncodePool:
                       len(stuck), timeout_s, [proc.pid for proc in stuck])
             for proc in stuck:
                 proc.terminate()
+            for proc in stuck:  # so that no worker outlives close(): SIGTERM, then SIGKILL
+                proc.join(5.0)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5.0)

@@ -138,6 +138,13 @@ def test_a_record_error_survives_the_trip_from_a_worker():
     assert portable(plain) is plain
 
 
+def test_a_sample_no_worker_returns_is_a_timeout_naming_it_and_the_key(pool):
+    from concurrent.futures import Future
+
+    with pytest.raises(TimeoutError, match=r"train\.jsonl:7 within 0s \(data\.encode_workers = 2\)"):
+        pool.result(Future(), "train.jsonl:7", timeout_s=0.2)
+
+
 def test_the_config_key_starts_workers_and_close_ends_them(good_cfg, synth_data_dir, tiny_model_dir):
     cfg = cfg_of(synth_data_dir / "train.jsonl", tiny_model_dir, synth_data_dir, "data.encode_workers=1")
     before = set(multiprocessing.active_children())

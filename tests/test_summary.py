@@ -175,3 +175,15 @@ def test_the_sync_bytes_name_what_was_left_on_the_servers_only_when_something_wa
     assert _sync_bytes({"sync_bytes": 1.2e6, "sync_skipped_bytes": 14e6}) == \
         "; 1.2 MB sent, 14.0 MB left on the servers (frozen or merged there)"
     assert _sync_bytes({}) == ""
+
+
+def test_the_loss_line_compares_a_steps_with_a_steps_and_b_steps_with_b_steps():
+    from launcher.summary import summarize
+
+    losses = [(0, 4.0), (1, 0.7), (0, 3.9), (1, 0.6), (0, 3.8)]  # A steps carry the coord CE, B steps do not
+    records = [{"step": i, K + "step_kind_b": kind, "loss/total": loss} for i, (kind, loss) in enumerate(losses)]
+    s = summarize(records)
+    assert (s["loss_first_a"], s["loss_last_a"], s["loss_first_b"], s["loss_last_b"]) == (4.0, 3.8, 0.7, 0.6)
+    assert "loss first → last      A 4.000 → 3.800; B 0.700 → 0.600" in format_summary(s)
+    only_a = summarize([r for r in records if not r[K + "step_kind_b"]])
+    assert "loss first → last      A 4.000 → 3.800\n" in format_summary(only_a) + "\n"

@@ -8,25 +8,26 @@ template; its presets and config are in ``tools/qwen3_vl_family.py``. What follo
 Nothing is downloaded. The result is an ordinary HF model directory, loaded the way a real checkpoint
 is (``AutoModelForImageTextToText`` / ``AutoTokenizer`` / ``AutoProcessor.from_pretrained(path)``):
 
-- ``Qwen2_5_VLForConditionalGeneration`` (the real target architecture) with the sizes of
-  ``--preset``; ``tiny`` (default, ~0.9 M parameters, float32) is what CPU tests and the demo use.
-  The bigger presets have realistic Qwen2.5 shapes for GPU work; they are built on the meta device and
-  materialised with transformers' own initialisation in bfloat16, so building the 7b preset costs
-  memory and a minute of random-number generation, not an hour of per-module init (on the GPU
-  image's CPU it took over 200 s; ``--init pool`` fills every weight from one pool of 16 M normal
-  draws instead: 24 s for 7b there, for memory and speed work, not for learning).
-- A byte-level BPE tokenizer trained here on a small generated corpus (the prompts, the assistant JSON,
-  the synthetic data's words, common English), with Qwen2's pre-tokenizer, the Qwen chat special tokens
-  (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ... ``<|image_pad|>``, ``<|video_pad|>``) and then
-  the 1000 ``<|coord_k|>`` tokens as added tokens with contiguous ids in bin order. Coord tokens are
-  *not* special, so ``decode(..., skip_special_tokens=True)`` keeps them in the answer text.
-  ``--no-coord-tokens`` leaves them out (to test ``tools/add_coord_tokens.py``).
-- The standard Qwen2-VL chat template, the PIL Qwen2-VL image processor with
-  ``min_pixels = 56*56`` and ``max_pixels = 112*112`` (a 112x112 image is 8x8 patches = 16 image
-  tokens), and a generation config (greedy, eos ``<|im_end|>``, pad ``<|endoftext|>``).
-- Embedding rows = tokenizer size rounded up to a multiple of 64 (``--vocab 151936``: a real checkpoint's
-  rows, for timings at the operating point); word embeddings are tied for every preset but 7b, as in the
-  Qwen2.5 checkpoints of those sizes. ``--max-pixels`` sets the processor's cap (1024² keeps 1024-px images).
+- ``Qwen2_5_VLForConditionalGeneration`` (the real target architecture) with the sizes of ``--preset``; ``tiny``
+  (default, ~0.9 M parameters, float32) is what CPU tests and the demo use; ``small`` (11.5 M, float32, rope_theta
+  10 as tiny) is the GPU quality benchmark's detector for crowded scenes, where tiny plateaued at F1 0.008
+  (docs/benchmarks.md section 21). The bigger presets have realistic Qwen2.5 shapes for GPU work; they are built on
+  the meta device and materialised with transformers' own initialisation in bfloat16, so building the 7b preset
+  costs memory and a minute of random-number generation, not an hour of per-module init (on the GPU image's CPU it
+  took over 200 s; ``--init pool`` fills every weight from one pool of 16 M normal draws instead: 24 s for 7b there,
+  for memory and speed work, not for learning).
+- A byte-level BPE tokenizer trained here on a small generated corpus (the prompts, the assistant JSON, the
+  synthetic data's words, common English), with Qwen2's pre-tokenizer, the Qwen chat special tokens
+  (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ... ``<|image_pad|>``, ``<|video_pad|>``) and then the 1000
+  ``<|coord_k|>`` tokens as added tokens with contiguous ids in bin order. Coord tokens are *not* special, so
+  ``decode(..., skip_special_tokens=True)`` keeps them in the answer text. ``--no-coord-tokens`` leaves them out (to
+  test ``tools/add_coord_tokens.py``).
+- The standard Qwen2-VL chat template, the PIL Qwen2-VL image processor with ``min_pixels = 56*56`` and ``max_pixels
+  = 112*112`` (a 112x112 image is 8x8 patches = 16 image tokens), and a generation config (greedy, eos
+  ``<|im_end|>``, pad ``<|endoftext|>``).
+- Embedding rows = tokenizer size rounded up to a multiple of 64 (``--vocab 151936``: a real checkpoint's rows, for
+  timings at the operating point); word embeddings are tied for every preset but 7b, as in the Qwen2.5 checkpoints
+  of those sizes. ``--max-pixels`` sets the processor's cap (1024² keeps 1024-px images).
 
 ``tandem_build.json`` records the build parameters; a later run with the same ones does nothing.
 """
@@ -104,17 +105,9 @@ PRESETS: dict[str, dict] = {
         # the same 3000 warm-start steps (docs/warm_start.md).
         rope_theta=10.0,
     ),
-    # ~11 M parameters in float32: the GPU quality benchmark's detector for crowded scenes, which the tiny preset
-    # cannot localise (docs/benchmarks.md section 21: a 1,800-step warm start plateaued at F1 0.008). A tiny step on
-    # an H200 was kernel launches more than arithmetic (the GPU 7-21 % busy), so this one should cost little more a
-    # step there; not measured yet.
-    "small": dict(
-        text=_text(384, 6, 6, 2, 1024),
-        vision=dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, window_size=112,
-                    fullatt_block_indexes=[1, 3]),
-        tie=True, dtype="float32",
-        rope_theta=10.0,  # as tiny: small grids of image tokens need the fast rotations to tell positions apart
-    ),
+    "small": dict(text=_text(384, 6, 6, 2, 1024), tie=True, dtype="float32", rope_theta=10.0,  # module doc
+                  vision=dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, window_size=112,
+                              fullatt_block_indexes=[1, 3])),
     # ~312 MB of float32 weights on the tiny vision tower: the HTTP weight-sync benchmark (bench/bench_http_sync.py)
     "sync-300mb": dict(text=_text(1024, 5, 8, 2, 4096), vision=dict(depth=2, hidden_size=64, intermediate_size=128,
                        num_heads=4, window_size=56, fullatt_block_indexes=[1]), tie=True, dtype="float32"),
@@ -427,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"model size (default: %(default)s); qwen2.5-vl: {', '.join(PRESETS)}; "
                              f"qwen3-vl: {', '.join(qwen3.PRESETS)}")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="weight dtype (default: float32 for tiny, bfloat16 otherwise)")
+                        help="weight dtype (default: the preset's: float32 for tiny and small, bfloat16 otherwise)")
     parser.add_argument("--no-coord-tokens", action="store_true", help="leave out the 1000 <|coord_k|> tokens")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is up to date")
     parser.add_argument("--init", choices=["hf", "pool"], default="hf",
@@ -440,20 +433,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     try:
-        out = ensure_tiny_model(
-            args.out, preset=args.preset, seed=args.seed, coord_tokens=not args.no_coord_tokens,
-            dtype=args.dtype, force=args.force, init=args.init, family=args.family, vocab=args.vocab,
-            max_pixels=args.max_pixels,
-        )
+        out = ensure_tiny_model(args.out, preset=args.preset, seed=args.seed, coord_tokens=not args.no_coord_tokens,
+                                dtype=args.dtype, force=args.force, init=args.init, family=args.family,
+                                vocab=args.vocab, max_pixels=args.max_pixels)
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     info = json.loads((out / BUILD_FILE).read_text())
-    print(
-        f"model: {out} ({args.family}, preset {args.preset}, {info['num_parameters']:,} parameters, "
-        f"tokenizer {info['tokenizer_size']}, embedding rows {info['embedding_rows']}, "
-        f"coord ids {info['coord_token_ids']}) in {time.monotonic() - t0:.1f}s"
-    )
+    print(f"model: {out} ({args.family}, preset {args.preset}, {info['num_parameters']:,} parameters, tokenizer "
+          f"{info['tokenizer_size']}, embedding rows {info['embedding_rows']}, coord ids {info['coord_token_ids']}) "
+          f"in {time.monotonic() - t0:.1f}s")
     return 0
 
 
