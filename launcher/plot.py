@@ -58,10 +58,18 @@ def build_figure(run_dir: str | Path) -> Any:
 
     fig, axes = plt.subplots(4, 2, figsize=(12, 13), constrained_layout=True)
     ax = axes[0][0]
-    coord_ce = ("loss/coord_ce",) if any(r.get("loss/coord_ce") for r in recs) else ()  # Stage-1 CE on A steps
-    for key in ("loss/total", "loss/ce", "loss/bbox_smoothl1", "loss/bbox_ciou", *coord_ce):
-        ax.plot(steps, series(key), label=key.split("/")[1])
-    ax.set_title("losses"); ax.legend(); ax.set_xlabel("optimizer step")
+    # A and B steps weigh different terms (the coord CE exists on A steps only), so each channel gets its own
+    # curve per term: one line through both would zigzag between them and draw 0 where a term cannot exist.
+    coord_ce = ("loss/coord_ce",) if any(r.get("loss/coord_ce") for r in recs) else ()
+    for ch, style, is_b in (("A", "-", False), ("B", "--", True)):
+        idx = [i for i, r in enumerate(recs) if bool(r.get(K + "step_kind_b")) == is_b]
+        for n, key in enumerate(("loss/total", "loss/ce", "loss/bbox_smoothl1", "loss/bbox_ciou",
+                                 *(coord_ce if not is_b else ()))):
+            if idx:
+                vals = series(key)
+                ax.plot([steps[i] for i in idx], [vals[i] for i in idx], style, color=f"C{n}",
+                        label=f"{key.split('/')[1]} ({ch})")
+    ax.set_title("losses (A steps solid, B dashed)"); ax.legend(fontsize=7); ax.set_xlabel("optimizer step")
 
     ax = axes[0][1]
     kinds_b = cumulative(K + "step_kind_b")
