@@ -69,7 +69,8 @@ def build_figure(run_dir: str | Path) -> Any:
                 vals = series(key)
                 ax.plot([steps[i] for i in idx], [vals[i] for i in idx], style, color=f"C{n}",
                         label=f"{key.split('/')[1]} ({ch})")
-    ax.set_title("losses"); ax.legend(fontsize=7, title="A steps solid, B dashed", title_fontsize=7); ax.set_xlabel("optimizer step")
+    ax.set_title("losses"); ax.set_xlabel("optimizer step")
+    ax.legend(fontsize=7, title="A steps solid, B dashed", title_fontsize=7)
 
     ax = axes[0][1]
     kinds_b = cumulative(K + "step_kind_b")

@@ -38,8 +38,9 @@ def test_a_run_with_eval_records_renders_with_a_validation_panel(tmp_path):
     lines = {line.get_label(): line for line in val.get_lines()}
     assert set(lines) == {"F1@0.5", "mAP", "parse failure rate"}  # mAP@.5 was None throughout: no line
     assert list(lines["F1@0.5"].get_xdata()) == [0, 5, 10] and val.get_ylim() == (0, 1.05)
-    loss = next(line for line in panels["losses"].get_lines() if line.get_label() == "total")
-    assert list(loss.get_xdata()) == list(range(12))  # the step panels never see an eval record
+    loss = {line.get_label(): list(line.get_xdata()) for line in panels["losses"].get_lines()}
+    # the step panels never see an eval record; each channel's curve holds its own steps only
+    assert loss["total (A)"] == list(range(0, 12, 2)) and loss["total (B)"] == list(range(1, 12, 2))
     rollout = {line.get_label(): line for line in panels[ROLLOUT_TITLE].get_lines()}
     assert list(rollout["F1"].get_xdata()) == [1, 3, 5, 7, 9, 11]  # B steps only
     assert rollout["precision"].get_ydata()[1] == 1 / 3  # step 3: 1 matched of 3 predicted
