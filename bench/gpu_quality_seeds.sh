@@ -13,7 +13,7 @@
 #
 # Knobs (environment): STAGE (all | warm: model, data, validation set, warm start | bench: the arms, from what a
 # warm stage left in WORK), GPUS (slots, 0,1,2), SEEDS (3), ARMS (a_only,async_ab,step), BUDGET_S (learner seconds
-# per run, 30), EVAL_EVERY (steps between evaluations, 0: the two ends only), LR (Stage-2 lr, 2e-5), VAL_IMAGES
+# per run, 30), EVAL_EVERY (steps between evaluations, 0: the two ends only), LR (Stage-2 lr, 2e-4: the config's; the first GPU tables ran 2e-5), VAL_IMAGES
 # (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (16), WS_WORKERS
 # (data.encode_workers of the warm start: 12; building a 16-sample window in-process took as long as its step),
 # PRESET (tools/make_tiny_model.py: tiny; small: 14x the parameters, not yet run on a GPU; a tiny step there was
@@ -34,7 +34,7 @@ SEEDS=${SEEDS:-3}
 ARMS=${ARMS:-a_only,async_ab,step}
 BUDGET_S=${BUDGET_S:-30}
 EVAL_EVERY=${EVAL_EVERY:-0}
-LR=${LR:-2e-5}
+LR=${LR:-2e-4}
 VAL_IMAGES=${VAL_IMAGES:-512}
 WS_BUDGET_S=${WS_BUDGET_S:-140}
 WS_LR=${WS_LR:-2e-3}
