@@ -114,8 +114,17 @@ def wrap(model: torch.nn.Module, learner_cfg: Any, device: torch.device, world_s
             # pinned host memory for fast host-device copies; a CPU-only torch cannot pin (and needs no copies)
             "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if f.cpu_offload else OffloadPolicy(),
         }
+        # The blocks keep their inputs' dtypes (cast_forward_inputs off; the root still casts pixel_values):
+        # torch 2.11's FSDP2 casts a block's inputs in its forward pre-hook but not when the hook runs again in a
+        # checkpointed block's recomputation (transformers 5.17 checkpoints __call__, hooks inside), so the vision
+        # blocks' float32 rotary cos/sin were bfloat16 in one pass and float32 in the other, and a compiled block's
+        # backward stopped on "Recomputed values ... have different metadata" (7b, 2 ranks, docs/benchmarks.md
+        # section 22). Uncast, a block sees what it sees under DDP, in every pass.
+        block_kw = {**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=kw["mp_policy"].param_dtype,
+                                                            reduce_dtype=kw["mp_policy"].reduce_dtype,
+                                                            cast_forward_inputs=False)}
         for block in sharded_blocks(model):
-            fully_shard(block, **kw)
+            fully_shard(block, **block_kw)
         fully_shard(model, **kw)
         if f.cpu_offload:
             _REDUCE_EVERY_MICRO_STEP.add(model)

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from common.config.load import ConfigError
 from common.packing.schedule import exact_ratio
 from learner import parallel
 from learner.checkpointer import Checkpointer, TrainerState
@@ -99,14 +98,6 @@ class Learner:
 
     def setup(self) -> None:
         cfg, dist = self.cfg, self.dist
-        sync_t = cfg.weight_sync.timeout_s
-        if dist.world_size > 1 and cfg.learner.collective_timeout_s <= sync_t:
-            raise ConfigError([
-                f"learner.collective_timeout_s = {cfg.learner.collective_timeout_s}: must exceed "
-                f"weight_sync.timeout_s = {sync_t} (the other ranks wait at a barrier while rank 0 "
-                f"pushes: every blocking sync, and in overlap mode the start-up sync and a checkpoint's wait for "
-                f"the push in flight). Fix: raise learner.collective_timeout_s above {sync_t}"
-            ])
         from common.runs.checkpoints import run_id_of
 
         torch.manual_seed(cfg.training.seed)

@@ -246,3 +246,14 @@ def test_loopback_addresses_are_refused_when_the_learner_nodes_span_machines():
     assert rdzv and "Fix: use node 0's address, e.g. 10.0.0.1:29400" in rdzv[0]
     assert any(p.startswith("rollout_matching.vllm.servers[0].base_url") and "cannot reach" in p for p in probs)
     assert load_config(None, BASE + TWO_NODES).learner.nnodes == 2  # every node on one machine: loopback is fine
+
+
+def test_learner_ranks_must_outwait_a_weight_push_before_anything_starts():
+    # Rank 1 waits at a barrier while rank 0 pushes; a collective deadline no longer than the push's would
+    # kill a slow push's run. The rule fires at load (the launcher), not after the server has started.
+    sync = ["weight_sync.timeout_s=600", "learner.collective_timeout_s=600"]
+    msg = one_problem([*BASE, *sync, "learner.nproc_per_node=2"], "learner.collective_timeout_s")
+    assert "weight_sync.timeout_s = 600" in msg and "2 learner ranks" in msg and "raise learner.collective_timeout_s" in msg
+    assert load_config(None, [*BASE, *sync, "learner.nproc_per_node=1"]).learner.collective_timeout_s == 600
+    one_problem([*BASE, *sync], "learner.collective_timeout_s", world_size=4)  # the learner's own world size
+    assert load_config(None, [*BASE, *sync[:1], "learner.collective_timeout_s=601", "learner.nproc_per_node=2"])

@@ -364,3 +364,83 @@ def test_learner_parallel_fsdp_is_accepted_and_a_bad_value_is_refused_naming_the
 
 if __name__ == "__main__":
     sys.exit(rank_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]))
+
+
+# --------------------------------------------------------------------------------------------- block inputs' dtypes
+
+
+def _block_dtypes_rank(model_dir: str, out: str) -> None:
+    """One FSDP2 rank, bfloat16 compute over float32 weights, every layer checkpointed: the float dtypes each
+    sharded block receives in its forward and in its recomputation."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.packing.segment import Pack
+    from learner import parallel
+    from learner.loss import LossWeights, Normaliser, pack_loss
+    from learner.model import forward_rows, load_policy, pack_inputs, set_checkpointing
+    from tests.test_loss import image_segment
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"rank": 0}
+    try:
+        cpu = torch.device("cpu")
+        model_cfg = SimpleNamespace(path=model_dir, dtype="float32", attn_implementation="sdpa", coord_tokens=True)
+        model, tokenizer, coord_ids = load_policy(model_cfg, cpu)
+        model.train()  # checkpointing recomputes in training mode only
+        assert set_checkpointing(model, 1) > 0
+        seg = image_segment(model, tokenizer, coord_ids, seed=3, n_images=1, n_text=20, n_boxes=1)
+        fsdp_cfg = SimpleNamespace(param_dtype="bfloat16", reduce_dtype="float32", reshard_after_forward=True,
+                                   cpu_offload=False)
+        wrapped = parallel.wrap(model, SimpleNamespace(parallel="fsdp", fsdp=fsdp_cfg), cpu, 1, 0)
+        seen: dict[str, list[list[str]]] = {}
+
+        def floats(x: Any) -> list[str]:
+            if isinstance(x, torch.Tensor):
+                return [str(x.dtype)] if x.is_floating_point() else []
+            if isinstance(x, (tuple, list)):
+                return [d for v in x for d in floats(v)]
+            if isinstance(x, dict):
+                return [d for k in sorted(x) for d in floats(x[k])]
+            return []
+
+        def recording(name: str, forward: Any) -> Any:  # forward itself: recomputation skips __call__'s hooks
+            def call(*args: Any, **kwargs: Any) -> Any:
+                seen.setdefault(name, []).append(floats(args) + floats(kwargs))
+                return forward(*args, **kwargs)
+            return call
+
+        for name, block in (("vision", model.model.visual.blocks[0]), ("decoder", model.model.language_model.layers[0])):
+            block.forward = recording(name, block.forward)
+        inputs = pack_inputs(Pack(ver=0, channel="A", segments=[seg]).tensors(), "sdpa", torch.float32, cpu)
+        terms = pack_loss(forward_rows(wrapped, inputs).float(), inputs.rows, torch.tensor(coord_ids),
+                          Normaliser(ce_tokens=20, boxes=1), LossWeights())
+        terms.backward.backward()
+        result.update(ok=True, seen=seen, loss=float(terms.total),
+                      grads=sum(p.grad is not None for p in model.parameters()))
+    except BaseException:
+        result["error"] = traceback.format_exc()[-3000:]
+    Path(out, "rank0.json").write_text(json.dumps(result))
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_fsdp_blocks_get_their_inputs_uncast_as_under_ddp_so_a_recomputation_cannot_differ(tiny_model_dir, tmp_path):
+    # torch 2.11's FSDP2 casts a block's float inputs to param_dtype in its forward pre-hook, but not when that
+    # hook runs again for a checkpointed block's recomputation (transformers 5.17 checkpoints __call__, hooks
+    # inside; 5.24 checkpoints forward, hooks outside, so the recomputation reuses the cast inputs). The vision
+    # blocks' float32 rotary cos/sin were bfloat16 in one pass and float32 in the other, and a compiled block's
+    # backward stopped ("Recomputed values ... different metadata"; 7b on 2 H200 ranks, docs/benchmarks.md
+    # section 22). Uncast, the blocks see what they see under DDP in every pass, on any of these versions.
+    import math
+
+    res = run_ranks(_block_dtypes_rank, lambda r: (str(tiny_model_dir), str(tmp_path)), out_dir=tmp_path,
+                    deadline_s=120, world=1, hang_hint="a one-rank FSDP2 forward/backward of one pack hung")[0]
+    assert math.isfinite(res["loss"]) and res["grads"] > 0
+    vision, decoder = res["seen"]["vision"], res["seen"]["decoder"]
+    assert vision and decoder and all(c == vision[0] for c in vision) and all(c == decoder[0] for c in decoder)
+    assert vision[0].count("torch.float32") == 2, vision  # the rotary cos and sin, not cast to bfloat16
+    assert vision[0][0] == "torch.bfloat16" and set(decoder[0]) == {"torch.bfloat16"}  # hidden: in param_dtype

@@ -235,6 +235,13 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
     if cb.mode in ("step", "micro") and world_size is not None and world_size > 1:
         problems.add("stage2_ab.channel_b.mode", cb.mode, f"{cb.mode} mode runs on one learner process, world_size is {world_size}",
                      "use stage2_ab.channel_b.mode: async for multi-GPU learners")
+    lrn, sync_t = cfg.learner, cfg.weight_sync.timeout_s
+    ranks = world_size if world_size is not None else lrn.nproc_per_node * lrn.nnodes
+    if ranks > 1 and lrn.collective_timeout_s <= sync_t:  # checked here, before the launcher starts a server
+        problems.add("learner.collective_timeout_s", lrn.collective_timeout_s,
+                     f"must exceed weight_sync.timeout_s = {sync_t} with {ranks} learner ranks (the others wait at a "
+                     "barrier while rank 0 pushes: every blocking sync, and in overlap mode the start-up sync and a "
+                     "checkpoint's wait for the push in flight)", f"raise learner.collective_timeout_s above {sync_t}")
     positive("stage2_ab.channel_b.rollout_decode_batch_size", cb.rollout_decode_batch_size)
     positive("stage2_ab.channel_b.rollouts_per_step", cb.rollouts_per_step)
     positive("stage2_ab.channel_b.async.queue_limit", a.queue_limit)
