@@ -14,10 +14,12 @@
 # Knobs (environment): STAGE (all | warm: model, data, validation set, warm start | bench: the arms, from what a
 # warm stage left in WORK), GPUS (slots, 0,1,2), SEEDS (3), ARMS (a_only,async_ab,step), BUDGET_S (learner seconds
 # per run, 30), EVAL_EVERY (steps between evaluations, 0: the two ends only), LR (Stage-2 lr, 2e-4: the config's; the first GPU tables ran 2e-5), VAL_IMAGES
-# (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (16), WS_WORKERS
+# (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (64), WS_DTYPE (auto:
+# bfloat16 on a GPU, where torch's varlen kernel runs: the small preset's warm start made 205 samples/s at 64 against
+# 31 in float32 at 16 on an H200, docs/benchmarks.md section 21; float32 without CUDA), WS_WORKERS
 # (data.encode_workers of the warm start: 12; building a 16-sample window in-process took as long as its step),
-# PRESET (tools/make_tiny_model.py: tiny; small: 14x the parameters, not yet run on a GPU; a tiny step there was
-# kernel launches, the GPU 7-21 % busy),
+# PRESET (tools/make_tiny_model.py: tiny; small: 14x the parameters; neither localised crowded scenes after a
+# float32 warm start of 16 a step in one call: F1 0.008 and 0.000, docs/benchmarks.md section 21),
 # MAX_PIXELS (the model's image area cap: 28224 = 168 px, 6 x 6 merged patches), SIDES (crowded image sides, e.g.
 # 336 with MAX_PIXELS=112896: 12 x 12 merged patches; empty: the crowded preset's 112..168), N_TRAIN
 # (1536: ~14 ms an image to draw on one core), TOTAL_S (470: the benchmark's deadline is what is left of it, so
@@ -38,7 +40,8 @@ LR=${LR:-2e-4}
 VAL_IMAGES=${VAL_IMAGES:-512}
 WS_BUDGET_S=${WS_BUDGET_S:-140}
 WS_LR=${WS_LR:-2e-3}
-WS_BATCH=${WS_BATCH:-16}
+WS_BATCH=${WS_BATCH:-64}
+WS_DTYPE=${WS_DTYPE:-auto}
 WS_WORKERS=${WS_WORKERS:-12}
 PRESET=${PRESET:-tiny}
 MAX_PIXELS=${MAX_PIXELS:-28224}
@@ -115,8 +118,9 @@ VAL_PID=$!
 
 # Stage-1 warm start for WS_BUDGET_S wall seconds: the warm start counts steps, not seconds, so a 12-step
 # calibration measures the step and the start-up, and the real one gets the steps that fit what is left.
-WS_KEYS=(model.path="$BASE" model.dtype=float32 model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
-         training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=16384 training.log_every_steps=1
+[ "$WS_DTYPE" = auto ] && { [ "$ON_GPU" = 1 ] && WS_DTYPE=bfloat16 || WS_DTYPE=float32; }
+WS_KEYS=(model.path="$BASE" model.dtype="$WS_DTYPE" model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
+         training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=$((WS_BATCH > 16 ? WS_BATCH * 1024 : 16384)) training.log_every_steps=1
          data.encode_workers="$WS_WORKERS")
 T_WS=$SECONDS
 rm -rf "$WORK/det-cal"
@@ -141,7 +145,7 @@ print(min(steps, 50000) if steps >= 50 else 0)  # 0: no time left, the calibrati
 EOF
 )
 if [ "$WS_STEPS" -gt 0 ]; then
-  ts "warm start: $WS_STEPS steps of $WS_BATCH at lr $WS_LR"
+  ts "warm start: $WS_STEPS steps of $WS_BATCH at lr $WS_LR in $WS_DTYPE"
   stage warm-start $((WS_BUDGET_S - (SECONDS - T_WS) + 30)) python3 -m learner.warm_start \
       --config configs/warm_start_cpu.yaml --out "$DET" "${WS_KEYS[@]}" training.max_steps="$WS_STEPS" \
       training.warmup_steps=20 > "$WORK/ws.out" 2>&1
