@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from common.data.records import load_record
 from common.evaluation.metrics import ImageResult, Prediction, evaluate_detections
@@ -66,3 +67,21 @@ def test_sides_given_with_crowded_replace_its_sides_and_keep_the_rest_of_the_pre
     assert params["sides"] == [336] and (params["min_objects"], params["max_objects"]) == (10, 40)
     records = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert all((rec["width"], rec["height"]) == (336, 336) and len(rec["objects"]) >= 10 for rec in records)
+
+
+def test_drawing_in_worker_processes_writes_byte_identical_files(tmp_path):
+    # record i depends on (seed, i) only: a pool of spawned workers over index ranges must not change a byte
+    from common.data.synthetic import CROWDED, POOL_MIN_RECORDS, generate, resolve_workers
+
+    one = generate(tmp_path / "one", seed=5, split=(10, 3), workers=1, **CROWDED).parent
+    pooled = tmp_path / "pooled"
+    r = subprocess.run([sys.executable, "-m", "tandem", "data", "synth", "--crowded", "--workers", "3", "--out",
+                        str(pooled), "--split", "10/3", "--seed", "5"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = sorted(str(p.relative_to(one)) for p in one.rglob("*") if p.is_file())
+    assert len(names) == 13 + 3 and names == sorted(str(p.relative_to(pooled)) for p in pooled.rglob("*") if p.is_file())
+    assert all((one / n).read_bytes() == (pooled / n).read_bytes() for n in names)
+    assert resolve_workers(None, POOL_MIN_RECORDS - 1) == 1 and resolve_workers(None, POOL_MIN_RECORDS) >= 1
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        resolve_workers(0, 10)
