@@ -16,7 +16,8 @@
 # per run, 30), EVAL_EVERY (steps between evaluations, 0: the two ends only), LR (Stage-2 lr, 2e-4: the config's; the first GPU tables ran 2e-5), VAL_IMAGES
 # (512), WS_BUDGET_S (warm start wall seconds, calibration included, 140), WS_LR (2e-3), WS_BATCH (64), WS_DTYPE (auto:
 # bfloat16 on a GPU, where torch's varlen kernel runs: the small preset's warm start made 205 samples/s at 64 against
-# 31 in float32 at 16 on an H200, docs/benchmarks.md section 21; float32 without CUDA), WS_WORKERS
+# 31 in float32 at 16 on an H200, docs/benchmarks.md section 21; float32 without CUDA), WS_NPROC (warm-start ranks:
+# torchrun DDP over GPUs 0..N-1, each rank WS_BATCH samples a step; 1), WS_WORKERS
 # (data.encode_workers of the warm start: 12; building a 16-sample window in-process took as long as its step),
 # PRESET (tools/make_tiny_model.py: tiny; small: 14x the parameters; neither localised crowded scenes after a
 # float32 warm start of 16 a step in one call: F1 0.008 and 0.000, docs/benchmarks.md section 21),
@@ -42,6 +43,7 @@ WS_BUDGET_S=${WS_BUDGET_S:-140}
 WS_LR=${WS_LR:-2e-3}
 WS_BATCH=${WS_BATCH:-64}
 WS_DTYPE=${WS_DTYPE:-auto}
+WS_NPROC=${WS_NPROC:-1}
 WS_WORKERS=${WS_WORKERS:-12}
 PRESET=${PRESET:-tiny}
 MAX_PIXELS=${MAX_PIXELS:-28224}
@@ -122,9 +124,12 @@ VAL_PID=$!
 WS_KEYS=(model.path="$BASE" model.dtype="$WS_DTYPE" model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
          training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=$((WS_BATCH > 16 ? WS_BATCH * 1024 : 16384)) training.log_every_steps=1
          data.encode_workers="$WS_WORKERS")
+WS_RUN=(python3 -m learner.warm_start)
+[ "$WS_NPROC" -gt 1 ] && WS_RUN=(python3 -m torch.distributed.run --standalone --nproc_per_node="$WS_NPROC"
+                               -m learner.warm_start)
 T_WS=$SECONDS
 rm -rf "$WORK/det-cal"
-stage warm-calibration "$WS_BUDGET_S" python3 -m learner.warm_start --config configs/warm_start_cpu.yaml \
+stage warm-calibration "$WS_BUDGET_S" "${WS_RUN[@]}" --config configs/warm_start_cpu.yaml \
     --out "$WORK/det-cal" "${WS_KEYS[@]}" training.max_steps=12 training.warmup_steps=4 > "$WORK/ws-cal.out" 2>&1
 tail -n 2 "$WORK/ws-cal.out"
 WS_STEPS=$(python3 - "$WORK/det-cal" $((WS_BUDGET_S - (SECONDS - T_WS))) $((SECONDS - T_WS)) <<'EOF'
@@ -145,8 +150,8 @@ print(min(steps, 50000) if steps >= 50 else 0)  # 0: no time left, the calibrati
 EOF
 )
 if [ "$WS_STEPS" -gt 0 ]; then
-  ts "warm start: $WS_STEPS steps of $WS_BATCH at lr $WS_LR in $WS_DTYPE"
-  stage warm-start $((WS_BUDGET_S - (SECONDS - T_WS) + 30)) python3 -m learner.warm_start \
+  ts "warm start: $WS_STEPS steps of $WS_BATCH x $WS_NPROC ranks at lr $WS_LR in $WS_DTYPE"
+  stage warm-start $((WS_BUDGET_S - (SECONDS - T_WS) + 30)) "${WS_RUN[@]}" \
       --config configs/warm_start_cpu.yaml --out "$DET" "${WS_KEYS[@]}" training.max_steps="$WS_STEPS" \
       training.warmup_steps=20 > "$WORK/ws.out" 2>&1
   tail -n 2 "$WORK/ws.out"

@@ -10,9 +10,12 @@ rollout is unparseable and Channel-B has nothing to learn from. This command is 
 Channel-A steps only (``stage2_ab.schedule.b_ratio`` must be 0), with ``stage2_ab.coord_ce_weight > 0``
 adding a full-vocabulary CE on every coord slot to the usual CE + geometry loss (learner/loss.py).
 
-One process, no rollout server, no torchrun: the learner's own pieces (``ChannelAData`` windows,
-``pack_inputs``/``forward_loss``, AdamW + warmup-cosine) in a plain loop, so a
-2-core box uses both cores for one model instead of two gloo ranks for two copies.
+No rollout server: the learner's own pieces (``ChannelAData`` windows, ``pack_inputs``/``forward_loss``,
+AdamW + warmup-cosine) in a plain loop. One process by default, so a 2-core box uses both cores for one
+model instead of two gloo ranks for two copies; under ``torchrun --nproc_per_node=N -m learner.warm_start``
+(one node) every rank trains its own shard of the data with DDP (``learner.parallel: ddp``; a step is N ×
+``per_device_train_batch_size`` samples) and rank 0 alone writes the result: the GPU quality benchmark's
+warm start on a 4-GPU machine (docs/benchmarks.md section 21).
 
 The result is an ordinary HF model directory (safetensors, config, the base directory's tokenizer,
 chat template and processor files), loadable by the hf and vLLM engines and by the learner as
@@ -81,7 +84,9 @@ def build_params(cfg: Any) -> dict[str, Any]:
     from common.config.load import to_dict
 
     t, ab = cfg.training, cfg.stage2_ab
+    ranks = cfg.derived.world_size
     return {
+        **({"ranks": ranks} if ranks > 1 else {}),  # a step is ranks x per_device samples (one rank: no key, as before)
         "builder": "learner.warm_start",
         "version": BUILDER_VERSION,
         "base_model": _model_identity(Path(cfg.model.path)),
@@ -106,6 +111,9 @@ def check_config(cfg: Any) -> list[str]:
     if not Path(cfg.data.train_jsonl).is_file():
         problems.append(f"data.train_jsonl = {cfg.data.train_jsonl}: not a file. Fix: point it at a JSONL "
                         "(make data builds the synthetic one)")
+    if cfg.learner.parallel != "ddp":
+        problems.append(f"learner.parallel = {cfg.learner.parallel}: the warm start's ranks run DDP (rank 0 saves the "
+                        "whole model). Fix: set learner.parallel: ddp")
     if not (Path(cfg.model.path) / "config.json").is_file():
         problems.append(f"model.path = {cfg.model.path}: no config.json there. Fix: point it at a model directory "
                         "(make tiny-model builds the tiny one)")
@@ -123,72 +131,92 @@ def is_built(out: Path, params: dict[str, Any]) -> bool:
         return False
 
 
-def train(cfg: Any, out_tmp: Path) -> dict[str, Any]:
-    """Run ``training.max_steps`` Channel-A steps with coord CE and save the model into ``out_tmp``."""
+def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
+    """Run ``training.max_steps`` Channel-A steps with coord CE and save the model into ``out_tmp`` (rank 0).
+
+    ``dist`` (a :class:`learner.distributed.Dist` under torchrun, else None): every rank trains its shard of
+    the data, gradients all-reduced by DDP on each step's last pack; the logged losses are the ranks' mean.
+    """
     import torch
 
     from common.packing.encode import encoder_from_config
+    from learner import parallel
     from learner.checkpoint import copy_model_side_files
     from learner.data import ChannelAData
     from learner.loss import LossWeights, Normaliser
     from learner.model import build_optimizer, clip_and_step, forward_loss, load_policy, pack_inputs, resolve_dtype
 
     t, ab = cfg.training, cfg.stage2_ab
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     torch.manual_seed(t.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = dist.device if dist is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _tokenizer, coord_ids = load_policy(cfg.model, device, t.gradient_checkpointing, compile=t.compile,
                                                checkpoint_every=t.gradient_checkpointing_every)
+    trained = parallel.wrap(model, cfg.learner, device, world, dist.local_rank if dist is not None else 0)
     coord_ids_t = torch.tensor(coord_ids, device=device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     optimizer, scheduler = build_optimizer(model, t)
     ga = cfg.derived.gradient_accumulation_steps
-    data = ChannelAData(cfg, encoder_from_config(cfg), rank=0, world_size=1, ga=ga,
+    data = ChannelAData(cfg, encoder_from_config(cfg), rank=rank, world_size=world, ga=ga,
                         samples=cfg.training.per_device_train_batch_size * ga)  # the recipe's batch, not full packs
+    names = ("total", "ce", "bbox_smoothl1", "bbox_ciou", "coord_ce")
+    metrics = (out_tmp / METRICS_FILE).open("w", encoding="utf-8") if out_tmp is not None else None
     try:  # data.encode_workers > 0: its worker processes end with the training
         weights = LossWeights(ab.bbox_smoothl1_weight, ab.bbox_ciou_weight, ab.coord_temperature, ab.coord_ce_weight)
         every = max(1, t.log_every_steps)
         started = time.monotonic()
         last: dict[str, float] = {}
-        with (out_tmp / METRICS_FILE).open("w", encoding="utf-8") as metrics:
-            for step in range(t.max_steps):
-                t0 = time.monotonic()
-                inputs = [pack_inputs(p.tensors(), cfg.model.attn_implementation, dtype, device) for p in data.next_window(0)]
-                norm = Normaliser(ce_tokens=sum(i.rows.n_ce for i in inputs), boxes=sum(i.rows.n_boxes for i in inputs))
-                sums = dict.fromkeys(("total", "ce", "bbox_smoothl1", "bbox_ciou", "coord_ce"), 0.0)
-                for inp in inputs:
-                    terms = forward_loss(model, inp, coord_ids_t, norm, weights, t.loss_head)
+        for step in range(t.max_steps):
+            t0 = time.monotonic()
+            inputs = [pack_inputs(p.tensors(), cfg.model.attn_implementation, dtype, device) for p in data.next_window(0)]
+            norm = Normaliser(ce_tokens=sum(i.rows.n_ce for i in inputs), boxes=sum(i.rows.n_boxes for i in inputs))
+            sums = dict.fromkeys(names, 0.0)
+            for k, inp in enumerate(inputs):
+                with parallel.grad_sync(trained, k == len(inputs) - 1):  # one all-reduce a step, on its last pack
+                    terms = forward_loss(trained, inp, coord_ids_t, norm, weights, t.loss_head)
                     terms.backward.backward()
-                    for k in sums:
-                        sums[k] += getattr(terms, k)
-                if not math.isfinite(sums["total"]):
-                    raise FloatingPointError(f"warm start step {step}: loss {sums['total']} is not finite. Fix: lower "
-                                             f"training.lr (now {t.lr}) or raise training.warmup_steps")
-                grad_norm = clip_and_step(model, optimizer, scheduler, t.max_grad_norm)
-                last = {f"loss/{k}": v for k, v in sums.items()}
-                if step % every == 0 or step + 1 == t.max_steps:
-                    rec = {"step": step + 1, **last, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
-                           "time/step": time.monotonic() - t0, "time/elapsed": time.monotonic() - started,
-                           "packing/tokens": sum(i.n_tokens for i in inputs)}
-                    metrics.write(json.dumps(rec) + "\n")
-                    metrics.flush()
-                    if t.progress:
-                        log.info("step %d/%d  loss %.3f (ce %.3f, coord ce %.3f, ciou %.3f)  %.0f s", step + 1, t.max_steps,
-                                 sums["total"], sums["ce"], sums["coord_ce"], sums["bbox_ciou"], time.monotonic() - started)
+                for name in sums:
+                    sums[name] += getattr(terms, name)
+            if dist is not None:  # every rank sees the same mean, so a non-finite loss stops all of them
+                sums = dict(zip(names, (v / world for v in dist.all_reduce(
+                    [sums[n] for n in names], "sum", f"warm start step {step}: the ranks' losses"))))
+            if not math.isfinite(sums["total"]):
+                raise FloatingPointError(f"warm start step {step}: loss {sums['total']} is not finite. Fix: lower "
+                                         f"training.lr (now {t.lr}) or raise training.warmup_steps")
+            grad_norm = clip_and_step(model, optimizer, scheduler, t.max_grad_norm)
+            last = {f"loss/{k}": v for k, v in sums.items()}
+            if metrics is not None and (step % every == 0 or step + 1 == t.max_steps):
+                rec = {"step": step + 1, **last, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
+                       "time/step": time.monotonic() - t0, "time/elapsed": time.monotonic() - started,
+                       "packing/tokens": sum(i.n_tokens for i in inputs), "ranks": world}
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                if t.progress:
+                    log.info("step %d/%d  loss %.3f (ce %.3f, coord ce %.3f, ciou %.3f)  %.0f s", step + 1, t.max_steps,
+                             sums["total"], sums["ce"], sums["coord_ce"], sums["bbox_ciou"], time.monotonic() - started)
     finally:
         data.close()
-    model.eval()
-    model.save_pretrained(out_tmp)
-    copy_model_side_files(Path(cfg.model.path), out_tmp)
-    return {"steps": t.max_steps, "seconds": round(time.monotonic() - started, 1), "final": last,
-            "samples_drawn": data.counters["samples_drawn"], "too_long_dropped": data.counters["too_long_dropped"],
-            "record_errors": data.counters["record_errors"]}
+        if metrics is not None:
+            metrics.close()
+    counts = [data.counters[k] for k in ("samples_drawn", "too_long_dropped", "record_errors")]
+    if dist is not None:
+        counts = [int(v) for v in dist.all_reduce(counts, "sum", "the warm start's data counters")]
+    if out_tmp is not None:
+        model.eval()
+        model.save_pretrained(out_tmp)
+        copy_model_side_files(Path(cfg.model.path), out_tmp)
+    return {"steps": t.max_steps, "seconds": round(time.monotonic() - started, 1), "final": last, "ranks": world,
+            **dict(zip(("samples_drawn", "too_long_dropped", "record_errors"), counts))}
 
 
-def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, bool]:
+def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = False,
+                      dist: Any = None) -> tuple[Path, bool]:
     """The warm-started model at ``out`` (built unless it already holds this build); returns (path, built_now).
 
     Built once and atomically (:func:`common.runs.build_dir.build_once`): a concurrent caller or a killed
-    build never leaves a half-written model; a folder this command did not write is never replaced.
+    build never leaves a half-written model; a folder this command did not write is never replaced. Under
+    torchrun (``dist``) the ranks decide alike from the same folder (one node), train together, and rank 0
+    writes; the others wait for it at a barrier.
     """
     out = Path(out)
     params = build_params(cfg)
@@ -196,13 +224,20 @@ def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = Fa
         return out, False
     if out.resolve() == Path(cfg.model.path).resolve():
         raise FileExistsError(f"--out {out} is model.path itself; write the warm start to a new directory")
+    if dist is not None and not dist.is_main:
+        train(cfg, None, dist)
+        dist.barrier("rank 0 writing the warm start")
+        return out, True
 
     def write(tmp: Path) -> None:
-        result = train(cfg, tmp)
+        result = train(cfg, tmp, dist)
         (tmp / BUILD_FILE).write_text(json.dumps({"params": params, "result": result}, indent=1) + "\n")  # last
 
-    return build_once(out, marker=BUILD_FILE, is_built=lambda d: is_built(d, params), write=write,
-                      owner="learner.warm_start", force=force)
+    built = build_once(out, marker=BUILD_FILE, is_built=lambda d: is_built(d, params), write=write,
+                       owner="learner.warm_start", force=force)
+    if dist is not None:
+        dist.barrier("rank 0 writing the warm start")
+    return built
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,18 +246,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory of the warm-started model (created)")
     parser.add_argument("--force", action="store_true", help="rebuild even if --out holds this build")
     args = parser.parse_args(argv)
-    if (cfg := cli.load(args.config, args.overrides, world_size=1)) is None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 for a plain process
+    if (cfg := cli.load(args.config, args.overrides, world_size=world)) is None:
         return cli.EXIT_USAGE
     if problems := check_config(cfg):
         print(f"{len(problems)} problem(s) in {args.config} for a warm start:\n  - " + "\n  - ".join(problems),
               file=sys.stderr)
         return cli.EXIT_USAGE
-    cli.setup_process("warm_start")
+    cli.setup_process("warm_start", int(os.environ.get("RANK", "0")) if world > 1 else None)
+    dist = None
     try:
-        path, built = ensure_warm_start(cfg, args.out, force=args.force)
+        if world > 1:
+            from learner.distributed import Dist
+
+            dist = Dist(cfg.learner.backend, cfg.learner.collective_timeout_s)
+        path, built = ensure_warm_start(cfg, args.out, force=args.force, dist=dist)
     except FileExistsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if dist is not None:
+            dist.close()
+    if dist is not None and not dist.is_main:
+        return 0
     info = json.loads((path / BUILD_FILE).read_text())
     result = info.get("result", {})
     state = "built" if built else "up to date"

@@ -146,3 +146,29 @@ def test_an_out_folder_with_foreign_content_is_refused_and_left_alone(inputs, tm
     assert main(["--config", str(CONFIG), "--out", str(out), *inputs["overrides"]]) == 2
     assert "pick another --out" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_train_their_own_shards_with_ddp_and_rank_0_alone_writes(inputs, built):
+    # torchrun --nproc_per_node=2 (gloo on the CPU): a step is 2 x per_device samples, the logged loss the ranks'
+    # mean, one metrics line a step; the build record says 2 ranks, so it is not the one-rank build's cache.
+    from safetensors.torch import load_file
+
+    out = inputs["root"] / "detector-2ranks"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "learner.warm_start", "--config", str(CONFIG), "--out", str(out), *inputs["overrides"],
+           "learner.backend=gloo"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CLI_DEADLINE_S,
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.count("warm start: ") == 1  # rank 0 reports; rank 1 only trained
+    info = json.loads((out / BUILD_FILE).read_text())
+    one_rank = json.loads((built["out"] / BUILD_FILE).read_text())
+    assert info["params"] == {"ranks": 2, **one_rank["params"]}
+    assert info["result"]["ranks"] == 2 and info["result"]["samples_drawn"] == 2 * STEPS * 2  # ranks x steps x batch
+    assert one_rank["result"]["samples_drawn"] == STEPS * 2
+    lines = [json.loads(x) for x in (out / METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1)) and {r["ranks"] for r in lines} == {2}
+    base, two, one = (load_file(next(d.glob("*.safetensors"))) for d in (inputs["model"], out, built["out"]))
+    moved = [k for k in base if k in two and not torch.equal(base[k], two[k])]
+    assert moved and any(not torch.equal(two[k], one[k]) for k in moved)  # trained, and not the one-rank run
