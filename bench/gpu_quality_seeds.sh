@@ -23,7 +23,7 @@
 # float32 warm start of 16 a step in one call: F1 0.008 and 0.000, docs/benchmarks.md section 21),
 # MAX_PIXELS (the model's image area cap: 28224 = 168 px, 6 x 6 merged patches), SIDES (crowded image sides, e.g.
 # 336 with MAX_PIXELS=112896: 12 x 12 merged patches; empty: the crowded preset's 112..168), N_TRAIN
-# (1536: ~14 ms an image to draw on one core), TOTAL_S (470: the benchmark's deadline is what is left of it, so
+# (1536: ~14 ms an image to draw at 168 px, ~0.1 s at 336; one drawing process per core), TOTAL_S (470: the benchmark's deadline is what is left of it, so
 # results come back in time), OUT.
 # Without CUDA the runs go to the CPU (the slots are then port sets only): the smoke test of this script.
 # Every stage runs under a deadline and quality.json is rewritten after every run, so a slow stage still
