@@ -17,10 +17,9 @@ every ``--eval-every`` steps and at the end (learner/evaluation.py). Arms:
 - ``step``:     ``b_ratio 0.5``, mode ``step`` with ``enable_pipeline`` — the synchronous baseline
                 (rollouts inside the learner's B steps, one learner process).
 
-Every arm runs ONE learner rank (``step`` cannot run more), so the comparison is per learner. Output:
-``<out>/<arm>/`` (each a normal run directory), ``<out>/quality.json`` and ``<out>/quality.png``
-(val F1@0.5 and mAP against learner seconds). The table: first, last and best F1/mAP, learner seconds,
-steps, B steps, and the ratio of each arm's final F1 to the A-only arm's.
+Every arm runs ONE learner rank (``step`` cannot run more). Overrides (``key=value``) apply to every arm; one that
+would change what an arm is (A-only's b_ratio, a mode, the seed, ...) is refused; a B arm takes any b_ratio > 0. Output: ``<out>/<arm>/`` (run
+directories), ``<out>/quality.json``, ``<out>/quality.png`` (val F1@0.5 and mAP against learner seconds) and a table.
 
 Statistics (issue 34; docs/benchmarks.md §21): ``--seeds N`` runs every
 arm with ``training.seed`` 0..N-1 (the learner's data order, the rollout sampling seeds and the actors'
@@ -67,6 +66,7 @@ sys.path.insert(0, str(REPO))
 from common.config.load import load_config  # noqa: E402
 from common.evaluation.stats import paired_t_difference, t_interval  # noqa: E402
 from launcher.summary import read_split  # noqa: E402
+from quality_plot import plot  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
     "a_only": ["stage2_ab.schedule.b_ratio=0"],
@@ -74,6 +74,36 @@ ARMS: dict[str, list[str]] = {
     "step": ["stage2_ab.schedule.b_ratio=0.5", "stage2_ab.channel_b.mode=step",
              "stage2_ab.channel_b.enable_pipeline=true", "weight_sync.mode=blocking"],
 }
+
+
+#: Keys the benchmark sets for every run: an override of one (applied last) would silently change the arms.
+BENCH_KEYS = ("training.seed", "training.output_dir", "run_name", "learner.nproc_per_node", "training.max_steps",
+              "training.max_train_seconds", "training.eval_every_steps", "training.save_every_steps")
+B_RATIO = "stage2_ab.schedule.b_ratio"
+
+
+def refused_overrides(overrides: list[str], arms: list[str]) -> list[str]:
+    """Overrides that would silently change what an arm of ``arms`` is (applied after the arm's own keys), each
+    with the fix. A B arm's b_ratio may change (a positive share keeps it a B arm: a b_ratio sweep)."""
+    refused = []
+    for key, _, value in (o.partition("=") for o in overrides):
+        if key in BENCH_KEYS:
+            refused.append(f"{key}: the benchmark sets it for every run. Fix: drop it")
+            continue
+        for arm in arms:
+            own = dict(o.split("=", 1) for o in ARMS[arm]).get(key)
+            sweep = key == B_RATIO and arm != "a_only" and _positive(value)
+            if own is not None and value != own and not sweep:
+                refused.append(f"{key}={value}: arm {arm} is defined by {key}={own}. Fix: drop it, or leave {arm} "
+                               "out of --arms (a B arm takes any b_ratio > 0)")
+    return refused
+
+
+def _positive(value: str) -> bool:
+    try:
+        return float(value) > 0
+    except ValueError:
+        return False
 
 
 def run_name(arm: str, seed: int, n_seeds: int) -> str:
@@ -329,54 +359,6 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    for key, ax, title in (("f1", axes[0], "val F1@0.5"), ("map", axes[1], "val COCO mAP@[.5:.95]")):
-        for arm in dict.fromkeys(r["arm"] for r in results):
-            runs = [r for r in results if r["arm"] == arm]
-            band = mean_band(runs, key)
-            if band is None:
-                continue
-            x, mean, low, high = band
-            steps = sum(r["steps"] for r in runs) / len(runs)
-            b_steps = sum(r["b_steps"] for r in runs) / len(runs)
-            seeds = f"{len(runs)} seed{'s' * (len(runs) > 1)}"
-            line, = ax.plot(x, mean, marker="o" if len(runs) == 1 else None,
-                            label=f"{arm} ({b_steps:.0f} B of {steps:.0f} steps, {seeds})")
-            if low is not None:
-                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-        ax.set_title(title)
-        ax.set_xlabel("learner seconds (sum of time/step); bands: 95 % t-interval over seeds")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def mean_band(runs: list[dict[str, Any]], key: str, points: int = 25) -> tuple | None:
-    """(x, mean, low, high) of ``key`` over ``runs`` (one arm, several seeds): each run's curve interpolated onto
-    common learner seconds up to the shortest run's end (evaluations fall at different seconds per seed);
-    low/high the 95 % t-interval per point, None for one run (then x and mean are its own evaluations)."""
-    import numpy as np
-
-    curves = [[(c["learner_s"], c[key]) for c in r["curve"] if c[key] is not None] for r in runs]
-    curves = [c for c in curves if c]
-    if not curves:
-        return None
-    if len(curves) == 1:
-        x, y = zip(*curves[0])
-        return list(x), list(y), None, None
-    grid = np.linspace(0.0, min(c[-1][0] for c in curves), points)
-    ys = np.array([np.interp(grid, *zip(*c)) for c in curves])
-    bands = [t_interval(list(col)) for col in ys.T]
-    return (list(grid), [b["mean"] for b in bands], [b["low"] for b in bands], [b["high"] for b in bands])
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/bench_quality.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/demo_cpu.yaml")
@@ -400,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a for a in args.arms.split(",") if a]
     if bad := [a for a in arms if a not in ARMS]:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
+    if refused := refused_overrides(overrides, arms):
+        ap.error("\n  - ".join(["overrides that would change what an arm is:", *refused]))
     if args.quick:
         args.budget_s, args.eval_every = 4.0, 0
     if args.val_images is not None:

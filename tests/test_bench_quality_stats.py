@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import bench_quality as bq  # noqa: E402
+import quality_plot  # noqa: E402
 
 
 def run(arm: str, seed: int, f1s: list[float], learner_s: list[float]) -> dict:
@@ -56,12 +57,12 @@ def test_the_statistics_table_names_every_arm_and_the_paired_verdict():
 
 def test_the_band_is_over_common_learner_seconds_up_to_the_shortest_run(tmp_path):
     arm = [r for r in runs() if r["arm"] == "async_ab"]
-    x, mean, low, high = bq.mean_band(arm, "f1")
+    x, mean, low, high = quality_plot.mean_band(arm, "f1")
     assert x[0] == 0.0 and x[-1] == 88.0 and len(x) == len(mean) == len(low) == 25  # seed 4 ends at 88 s
     assert all(lo <= m <= hi for lo, m, hi in zip(low, mean, high)) and high[-1] > low[-1]
-    single = bq.mean_band(arm[:1], "f1")
+    single = quality_plot.mean_band(arm[:1], "f1")
     assert single[0] == [0.0, 45.0, 92.0] and single[2] is None
-    bq.plot(runs(), tmp_path / "q.png")
+    quality_plot.plot(runs(), tmp_path / "q.png")
     assert (tmp_path / "q.png").stat().st_size > 10_000
 
 
@@ -104,3 +105,26 @@ def test_compare_runs_adds_the_last_val_f1_interval_and_the_paired_difference_to
     assert a["val_f1_last"] == 0.5 and a["val_f1_last_ci_low"] < 0.5 < a["val_f1_last_ci_high"]
     assert "val_f1_vs_first" not in a and "val_f1_vs_first" not in c  # itself; a run without counts
     assert b["val_f1_vs_first"] == 0.25 and b["val_f1_vs_first_ci_low"] > 0 and b["val_f1_vs_first_outside_noise"]
+
+
+def test_an_override_that_would_change_what_an_arm_is_is_refused_naming_it_and_the_fix(capsys):
+    # applied after the arm's own keys, stage2_ab.schedule.b_ratio=0.5 once turned the A-only arm into a B arm
+    every = list(bq.ARMS)
+    assert bq.refused_overrides(["training.lr=1e-4", "stage2_ab.coord_ce_weight=1.0"], every) == []
+    assert bq.refused_overrides(["stage2_ab.schedule.b_ratio=0.3"], ["async_ab", "step"]) == []  # a b_ratio sweep
+    refused = bq.refused_overrides(["stage2_ab.schedule.b_ratio=0.5", "training.seed=3", "weight_sync.mode=overlap"],
+                                   every)
+    assert refused == [
+        "stage2_ab.schedule.b_ratio=0.5: arm a_only is defined by stage2_ab.schedule.b_ratio=0. Fix: drop it, or "
+        "leave a_only out of --arms (a B arm takes any b_ratio > 0)",
+        "training.seed: the benchmark sets it for every run. Fix: drop it",
+        "weight_sync.mode=overlap: arm step is defined by weight_sync.mode=blocking. Fix: drop it, or leave step out "
+        "of --arms (a B arm takes any b_ratio > 0)"]
+    assert bq.refused_overrides(["stage2_ab.schedule.b_ratio=0"], ["async_ab"])  # 0 would make it A-only
+    try:
+        bq.main(["--seeds", "1", "stage2_ab.schedule.b_ratio=0.5"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("the benchmark started with an override that changes the A-only arm")
+    assert "arm a_only is defined by stage2_ab.schedule.b_ratio=0" in capsys.readouterr().err
