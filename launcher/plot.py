@@ -63,12 +63,13 @@ def build_figure(run_dir: str | Path) -> Any:
     coord_ce = ("loss/coord_ce",) if any(r.get("loss/coord_ce") for r in recs) else ()
     for ch, style, is_b in (("A", "-", False), ("B", "--", True)):
         idx = [i for i, r in enumerate(recs) if bool(r.get(K + "step_kind_b")) == is_b]
+        if not idx:
+            continue
         for n, key in enumerate(("loss/total", "loss/ce", "loss/bbox_smoothl1", "loss/bbox_ciou",
                                  *(coord_ce if not is_b else ()))):
-            if idx:
-                vals = series(key)
-                ax.plot([steps[i] for i in idx], [vals[i] for i in idx], style, color=f"C{n}",
-                        label=f"{key.split('/')[1]} ({ch})")
+            vals = series(key)
+            ax.plot([steps[i] for i in idx], [vals[i] for i in idx], style, color=f"C{n}",
+                    label=f"{key.split('/')[1]} ({ch})")
     ax.set_title("losses"); ax.set_xlabel("optimizer step")
     ax.legend(fontsize=7, title="A steps solid, B dashed", title_fontsize=7)
 

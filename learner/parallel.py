@@ -31,6 +31,7 @@ What this module does not know: packs, losses, sync or checkpoints (they ask :fu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import weakref
@@ -120,9 +121,7 @@ def wrap(model: torch.nn.Module, learner_cfg: Any, device: torch.device, world_s
         # blocks' float32 rotary cos/sin were bfloat16 in one pass and float32 in the other, and a compiled block's
         # backward stopped on "Recomputed values ... have different metadata" (7b, 2 ranks, docs/benchmarks.md
         # section 22). Uncast, a block sees what it sees under DDP, in every pass.
-        block_kw = {**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=kw["mp_policy"].param_dtype,
-                                                            reduce_dtype=kw["mp_policy"].reduce_dtype,
-                                                            cast_forward_inputs=False)}
+        block_kw = {**kw, "mp_policy": dataclasses.replace(kw["mp_policy"], cast_forward_inputs=False)}
         for block in sharded_blocks(model):
             fully_shard(block, **block_kw)
         fully_shard(model, **kw)
