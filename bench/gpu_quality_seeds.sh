@@ -23,7 +23,10 @@
 # float32 warm start of 16 a step in one call: F1 0.008 and 0.000, docs/benchmarks.md section 21),
 # MAX_PIXELS (the model's image area cap: 28224 = 168 px, 6 x 6 merged patches), SIDES (crowded image sides, e.g.
 # 336 with MAX_PIXELS=112896: 12 x 12 merged patches; empty: the crowded preset's 112..168), N_TRAIN
-# (1536: ~14 ms an image to draw at 168 px, ~0.1 s at 336; one drawing process per core), TOTAL_S (470: the benchmark's deadline is what is left of it, so
+# (1536: ~14 ms an image to draw at 168 px, ~0.1 s at 336; one drawing process per core), WARM_EVAL_IMAGES (the
+# warm stage ends scoring the warm start on this many of the split's validation images, report in OUT/warm_eval: 64),
+# WS_FROM (a warm start folder an earlier STAGE=warm call left, e.g. /tmp/gpu-quality-seeds/det: this warm stage
+# continues from its weights with a fresh AdamW and lr schedule, on the same data when N_TRAIN matches), TOTAL_S (470: the benchmark's deadline is what is left of it, so
 # results come back in time), OUT.
 # Without CUDA the runs go to the CPU (the slots are then port sets only): the smoke test of this script.
 # Every stage runs under a deadline and quality.json is rewritten after every run, so a slow stage still
@@ -49,6 +52,8 @@ PRESET=${PRESET:-tiny}
 MAX_PIXELS=${MAX_PIXELS:-28224}
 SIDES=${SIDES:-}
 N_TRAIN=${N_TRAIN:-1536}
+WARM_EVAL_IMAGES=${WARM_EVAL_IMAGES:-64}
+WS_FROM=${WS_FROM:-}
 TOTAL_S=${TOTAL_S:-470}
 OUT=${OUT:-runs/gpu-quality-seeds}
 CONFIG=configs/gpu/quality_crowded_1gpu.yaml
@@ -92,6 +97,7 @@ collect() {
   rc=$?
   [ -n "${GPU_MON:-}" ] && kill "$GPU_MON" 2>/dev/null
   [ -n "${VAL_PID:-}" ] && kill "$VAL_PID" 2>/dev/null
+  [ -n "${EVAL_SERVER:-}" ] && kill "$EVAL_SERVER" 2>/dev/null
   ts "collecting (exit $rc)"
   for f in tandem_build.json warm_start_metrics.jsonl; do
     [ -f "$DET/$f" ] && cp "$DET/$f" "$OUT/warm_$f"
@@ -109,8 +115,19 @@ case $STAGE in all|warm|bench) ;; *) echo "STAGE=$STAGE: one of all, warm, bench
 DATA_KEYS=(data.train_jsonl="$DATA/train.jsonl" data.val_jsonl="$DATA/val.jsonl")
 if [ "$STAGE" != bench ]; then
 stage model 120 python3 tools/make_tiny_model.py --preset "$PRESET" --max-pixels "$MAX_PIXELS" --out "$BASE" || exit 1
-stage data 240 python3 -m common.data.synthetic --crowded ${SIDES:+--sides "$SIDES"} --out "$DATA" --split "$N_TRAIN/64" \
-    --seed 0 || exit 1
+if [ -n "$WS_FROM" ] && [ "$(wc -l < "$DATA/train.jsonl" 2>/dev/null)" = "$N_TRAIN" ]; then
+  ts "data: $DATA holds $N_TRAIN training records (an earlier call's; WS_FROM continues on them)"
+else
+  stage data 240 python3 -m common.data.synthetic --crowded ${SIDES:+--sides "$SIDES"} --out "$DATA" --split "$N_TRAIN/64" \
+      --seed 0 || exit 1
+fi
+START=$BASE
+if [ -n "$WS_FROM" ]; then  # continue an earlier call's warm start: its weights, fresh AdamW and lr schedule
+  [ -f "$WS_FROM/config.json" ] || { echo "WS_FROM=$WS_FROM: no config.json there. Fix: point it at a warm start" \
+      "folder an earlier STAGE=warm call left on this machine ($DET)" >&2; exit 2; }
+  rm -rf "$WORK/det-from" && cp -r "$WS_FROM" "$WORK/det-from" && START=$WORK/det-from
+  cp "$WS_FROM/warm_start_metrics.jsonl" "$OUT/warm_from_metrics.jsonl" 2>/dev/null
+fi
 # The validation set of VAL_IMAGES (bench_quality.larger_val_set: it renders the training records again
 # beside it) is drawn on the CPU while the warm start trains; the benchmark then finds it built.
 timeout -k 5 240 python3 -c "import sys; sys.path.insert(0, 'bench'); import bench_quality as bq
@@ -121,7 +138,7 @@ VAL_PID=$!
 # Stage-1 warm start for WS_BUDGET_S wall seconds: the warm start counts steps, not seconds, so a 12-step
 # calibration measures the step and the start-up, and the real one gets the steps that fit what is left.
 [ "$WS_DTYPE" = auto ] && { [ "$ON_GPU" = 1 ] && WS_DTYPE=bfloat16 || WS_DTYPE=float32; }
-WS_KEYS=(model.path="$BASE" model.dtype="$WS_DTYPE" model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
+WS_KEYS=(model.path="$START" model.dtype="$WS_DTYPE" model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
          training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=$((WS_BATCH > 16 ? WS_BATCH * 1024 : 16384)) training.log_every_steps=1
          data.encode_workers="$WS_WORKERS")
 WS_RUN=(python3 -m learner.warm_start)
@@ -166,7 +183,20 @@ python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['result']; print('wa
     "$DET/tandem_build.json" 2>/dev/null || true
 [ -n "${VAL_PID:-}" ] && wait "$VAL_PID"; VAL_PID=
 cat "$WORK/val.out"
-[ "$STAGE" = warm ] && { ts "warm stage done: STAGE=bench on this machine runs the arms"; exit 0; }
+if [ "$STAGE" = warm ]; then
+  # The warm start's own score, before any arm spends time on it: an hf server on GPU 0 (its first slot; the CPU
+  # without CUDA) and `python -m evaluator` on the split's WARM_EVAL_IMAGES validation images, at the arms' cap.
+  SERVE=(python3 -m rollout_server --config "$CONFIG" rollout_server.port=8790 model.path="$DET"
+         rollout_server.model_path="$DET" "${DATA_KEYS[@]}" "${DEVICE[@]}")
+  "${SERVE[@]}" > "$WORK/warm-eval-server.log" 2>&1 &
+  EVAL_SERVER=$!
+  stage warm-eval 240 python3 -m evaluator --url http://127.0.0.1:8790 --model "$DET" --data "$DATA/val.jsonl" \
+      --config "$CONFIG" --max-images "$WARM_EVAL_IMAGES" --max-new-tokens 1400 --batch-size 64 \
+      --server-timeout 150 --out "$OUT/warm_eval" --overwrite
+  kill "$EVAL_SERVER" 2>/dev/null; wait "$EVAL_SERVER" 2>/dev/null
+  ts "warm stage done: STAGE=bench on this machine runs the arms"
+  exit 0
+fi
 
 # The arms: SEEDS x ARMS on the GPU slots; what is left of TOTAL_S (less room to collect) is their deadline.
 BENCH_S=$(( $(left) - 25 ))
