@@ -5,6 +5,7 @@ launches and where the step goes (issue 31).
         [--packing-length 12000] [--warmup 1] [--steps 3] [--rows sdpa,varlen-vision,varlen,varlen+chunked]
         [--out bench/results/x.json]
     python bench/bench_learner_op.py --quick    # the same code on the tiny preset, CPU, 112 px (tests/)
+    python -m torch.distributed.run --nproc_per_node 2 bench/bench_learner_op.py --preset 7b [--parallel fsdp] ...
 
 Everything is generated here (GPU machines start bare and offline): the preset's config with ``--vocab``
 embedding rows, the tokenizer and a processor capped at ``--side``² pixels (tools/make_tiny_model.py),
@@ -17,7 +18,13 @@ checkpointing on, one pack per step. Every row trains on the same packs on the s
 Rows (``--rows``, comma-separated): ``sdpa`` (vision: one sdpa call per window; LM: sdpa with the [T, T]
 mask), ``varlen-vision`` (vision varlen, LM as sdpa), ``varlen`` (both: ``model.attn_implementation: varlen``),
 then ``+chunked`` for ``training.loss_head: chunked`` and ``+compile`` for ``torch.compile`` of every vision
-block and decoder layer (a bench experiment, no config key; it stays on, so put such rows last).
+block and decoder layer (``training.compile: blocks``; it stays on, so put such rows last).
+
+Under torchrun (``WORLD_SIZE`` > 1) every rank trains its own packs (pack k goes to rank k mod world) on the model
+wrapped as the learner wraps it (``--parallel``: ``fsdp``, FSDP2 over the ranks, or ``ddp``; learner/parallel.py
+with the config's defaults), compiled before the wrap as the learner does, so there every row shares one
+``+compile`` setting. A step's tokens/s is all ranks' tokens over the slowest rank's step; MFU divides by
+world × the peak; ``peak_gib`` is the largest rank's; the split and the profile are rank 0's.
 
 Fields: ``tokens_per_s`` (median over ``--steps``), ``mfu`` = 6 × non-embedding LM parameters × tokens/s ÷
 ``peak_tflops``, the bf16 (CPU: model dtype) matmul rate measured here on an 8192³ product; ``peak_gib``
@@ -61,13 +68,15 @@ def render_one(job: tuple[str, int, int, int]) -> dict:
     return dict(record, images=[path])
 
 
-def render_records(root: Path, n: int, side: int, max_objects: int) -> list[dict]:
-    """``n`` records, rendered in parallel (40 shapes at 1024 px take ~1.4 s each on one core)."""
+def render_records(root: Path, n: int, side: int, max_objects: int, world: int = 1) -> list[dict]:
+    """``n`` records, rendered in parallel (40 shapes at 1024 px take ~1.4 s each on one core; each of ``world``
+    ranks renders them all, on its share of the cores)."""
     import multiprocessing
 
     (root / "images").mkdir(parents=True, exist_ok=True)
     jobs = [(str(root), i, side, max_objects) for i in range(n)]
-    with multiprocessing.get_context("fork").Pool(min(16, os.cpu_count() or 1)) as pool:  # before CUDA starts
+    procs = max(1, min(16, (os.cpu_count() or 1) // world))
+    with multiprocessing.get_context("fork").Pool(procs) as pool:  # before CUDA starts
         return pool.map(render_one, jobs)
 
 
@@ -193,7 +202,8 @@ def hook_vision(model, marks: list[Marks]) -> None:
 
 
 def step(model, pack, attn: str, loss_head: str, optimizer, scheduler, coord_ids, dtype, device, marks: Marks) -> dict:
-    """One timed optimizer step on one pack; returns its wall time, tokens and the split."""
+    """One timed optimizer step on one pack; returns its wall time, tokens and the split. ``model``: what the
+    learner calls (the DDP wrapper, the FSDP2 root, or the model itself)."""
     from learner.loss import LossWeights, Normaliser, pack_loss
     from learner.model import clip_and_step, forward_rows, pack_inputs
 
@@ -256,8 +266,9 @@ def profile_step(run, device, table: Path | None = None) -> dict:
     }
 
 
-def run_row(row: str, model, packs, args, optimizer, scheduler, coord_ids, dtype, device, marks: list[Marks],
-            peak_tflops: float, lm_params: int) -> dict:
+def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_ids, dtype, device, marks: list[Marks],
+            peak_tflops: float, lm_params: int, world: int = 1) -> dict:
+    """``model``: the Hugging Face model (its attention, checkpointing, compile); ``trained``: what steps call."""
     import torch
 
     from learner.model import compile_blocks, set_checkpointing
@@ -268,12 +279,12 @@ def run_row(row: str, model, packs, args, optimizer, scheduler, coord_ids, dtype
     attn = set_attention(model, attn_row)
     every = next((int(f.removeprefix("ckpt")) for f in flags if f.startswith("ckpt")), 1)
     set_checkpointing(model, every)
-    if "compile" in flags:
+    if "compile" in flags and world == 1:  # under torchrun: before the wrap (run)
         compile_blocks(model)
 
     def one(i: int) -> dict:
         marks[0] = Marks(device)
-        return step(model, packs[i % len(packs)], attn, loss_head, optimizer, scheduler, coord_ids, dtype, device,
+        return step(trained, packs[i % len(packs)], attn, loss_head, optimizer, scheduler, coord_ids, dtype, device,
                     marks[0])
 
     for i in range(args.warmup):
@@ -282,14 +293,26 @@ def run_row(row: str, model, packs, args, optimizer, scheduler, coord_ids, dtype
         torch.cuda.reset_peak_memory_stats(device)
     timed = [one(args.warmup + i) for i in range(args.steps)]
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
-    table = Path(f"{args.out.removesuffix('.json')}-{row.replace('+', '-')}.txt") if args.out else None
+    table = (Path(f"{args.out.removesuffix('.json')}-{row.replace('+', '-')}.txt")
+             if args.out and os.environ.get("RANK", "0") == "0" else None)
     prof = profile_step(lambda: one(args.warmup + args.steps), device, table)
     med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
-    tokens_per_s = statistics.median(r["tokens"] / r["step_s"] for r in timed)
+    ranks = [(timed, peak)]
+    if world > 1:
+        import torch.distributed as dist
+
+        ranks = [None] * world
+        dist.all_gather_object(ranks, (timed, peak))
+        peaks = [p for _, p in ranks if p is not None]
+        peak = max(peaks) if peaks else None
+    # step i: every rank's tokens over the slowest rank's time (they meet at the gradient reduction)
+    tokens_per_s = statistics.median(sum(t[i]["tokens"] for t, _ in ranks) / max(t[i]["step_s"] for t, _ in ranks)
+                                     for i in range(len(timed)))
     return {
         "row": row, "attn": attn_row, "loss_head": loss_head, "checkpoint_every": every, "device": device_name(device),
+        "ranks": world, "parallel": args.parallel if world > 1 else None,
         "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": round(mfu(tokens_per_s, lm_params, peak_tflops), 4),
+        "mfu": round(mfu(tokens_per_s / world, lm_params, peak_tflops), 4),
         "peak_gib": round(peak, 2) if peak is not None else None,
         "kernel_launches_per_step": prof.pop("kernel_launches_per_step"),
         "step_s": round(med("step_s"), 3), "tokens_per_step": med("tokens"),
@@ -327,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", default=None, help="default: sdpa,varlen-vision,varlen (--quick: sdpa,varlen)")
     ap.add_argument("--out", default=None, help="also write every row (and the setup) to this JSON file")
+    ap.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp", help="the wrap under torchrun (default fsdp)")
     args = ap.parse_args(argv)
     if args.quick:
         args.preset, args.vocab, args.side, args.max_objects, args.packing_length = "tiny", 0, 112, 4, 1024
@@ -336,33 +360,55 @@ def main(argv: list[str] | None = None) -> int:
         attn, *flags = row.split("+")
         if attn not in ATTN_ROWS or not set(flags) <= set(ROW_FLAGS):
             ap.error(f"--rows: {row!r} is not <{'|'.join(ATTN_ROWS)}>[+{'][+'.join(ROW_FLAGS)}]")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and len({"+compile" in r for r in args.rows.split(",")}) > 1:
+        ap.error(f"--rows {args.rows}: under torchrun the blocks are compiled before the wrap, for every row. Fix: "
+                 "give +compile on every row or on none")
     with tempfile.TemporaryDirectory(prefix="bench-learner-op-") as work:
         return run(args, Path(work))
 
 
 def run(args: argparse.Namespace, work: Path) -> int:
     t0 = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     per_record = args.side * args.side // 784 + 10 * args.max_objects + 200  # image + answer + prompt tokens, roughly
-    n_records = -(-args.packing_length * (args.warmup + args.steps + 1) // per_record) + 4
-    records = render_records(work, n_records, args.side, args.max_objects)
+    n_records = world * (-(-args.packing_length * (args.warmup + args.steps + 1) // per_record) + 4)
+    records = render_records(work, n_records, args.side, args.max_objects, world)
     path = model_dir(work, args.preset, args.vocab, args.side)
     packs = make_packs(path, records, args.packing_length)
     prep_s = time.perf_counter() - t0
-    if not packs:
-        print(f"error: no pack reached 90 % of {args.packing_length} tokens from {len(records)} records", file=sys.stderr)
+    if len(packs) < world:
+        print(f"error: {len(packs)} pack(s) reached 90 % of {args.packing_length} tokens from {len(records)} records, "
+              f"fewer than the {world} ranks", file=sys.stderr)
         return 1
 
     import torch
     from transformers import AutoTokenizer
 
     from common.detection.coord_tokens import require_coord_tokens
-    from learner.model import build_optimizer
+    from learner.model import build_optimizer, compile_blocks
     from learner.throughput import matmul_tflops, non_embedding_lm_params
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    dist = None
+    if world > 1:
+        from learner.distributed import Dist
+
+        dist = Dist("gloo" if args.quick else "auto", timeout_s=1800.0)
+        device = dist.device if not args.quick else torch.device("cpu")
+        packs = packs[dist.rank::world]
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(path, device, dtype)
     lm_params = non_embedding_lm_params(model)
+    trained = model
+    if dist is not None:
+        from common.config.learner import FsdpConfig
+        from learner import parallel
+
+        if "+compile" in args.rows:
+            compile_blocks(model)
+        trained = parallel.wrap(model, argparse.Namespace(parallel=args.parallel, fsdp=FsdpConfig()), device, world,
+                                dist.local_rank)
     training = argparse.Namespace(lr=1e-5, weight_decay=0.0, adamw_impl="fused", warmup_steps=0, max_steps=1000,
                                   min_lr_ratio=0.1)
     optimizer, scheduler = build_optimizer(model, training)
@@ -370,20 +416,26 @@ def run(args: argparse.Namespace, work: Path) -> int:
     peak_tflops = matmul_tflops(device, dtype)
     marks: list[Marks] = [Marks(device)]
     hook_vision(model, marks)
+    main_rank = dist is None or dist.is_main
     setup = {"preset": args.preset, "embedding_rows": model.get_input_embeddings().weight.shape[0],
              "lm_params_non_embedding": lm_params, "side": args.side, "max_objects": args.max_objects,
              "packing_length": args.packing_length, "packs": len(packs), "pack_tokens": [p.n_tokens for p in packs],
              "pack_images": [sum(len(s.image_grid_thw) for s in p.segments) for p in packs],
              "peak_tflops": round(peak_tflops, 3), "dtype": str(dtype).removeprefix("torch."),
-             "torch": torch.__version__, "prep_s": round(prep_s, 1), "gradient_checkpointing": True}
-    print(json.dumps({"setup": setup}), flush=True)
+             "torch": torch.__version__, "prep_s": round(prep_s, 1), "gradient_checkpointing": True,
+             "ranks": world, "parallel": args.parallel if world > 1 else None}
+    if main_rank:
+        print(json.dumps({"setup": setup}), flush=True)
     rows = []
     for row in args.rows.split(","):
-        rows.append(run_row(row, model, packs, args, optimizer, scheduler, coord_ids, dtype, device, marks,
-                            peak_tflops, lm_params))
-        print(json.dumps(rows[-1]), flush=True)
-    if args.out:
+        rows.append(run_row(row, model, trained, packs, args, optimizer, scheduler, coord_ids, dtype, device, marks,
+                            peak_tflops, lm_params, world))
+        if main_rank:
+            print(json.dumps(rows[-1]), flush=True)
+    if args.out and main_rank:
         Path(args.out).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1) + "\n")
+    if dist is not None:
+        dist.close()
     return 0
 
 

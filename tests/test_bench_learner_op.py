@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -39,3 +40,28 @@ def test_a_bad_row_flag_is_refused_naming_the_option():
     bad = subprocess.run([sys.executable, "bench/bench_learner_op.py", "--quick", "--rows", "varlen+ckpt9"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--rows" in bad.stderr and "ckpt2" in bad.stderr
+
+
+def test_under_torchrun_two_ranks_train_their_own_packs_wrapped_as_the_learner_wraps_them(tmp_path):
+    """2 gloo ranks, FSDP2: one setup line and one line per row (rank 0's), all ranks' tokens in the figure."""
+    out = tmp_path / "op2.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "bench/bench_learner_op.py", "--quick", "--parallel", "fsdp", "--rows", "varlen+chunked",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 2, "rank 0 alone prints: the setup and the row"
+    setup, row = lines[0]["setup"], lines[1]
+    assert (setup["ranks"], setup["parallel"], row["ranks"], row["parallel"]) == (2, "fsdp", 2, "fsdp")
+    assert json.loads(out.read_text())["rows"] == [row]
+    # one step: both ranks' tokens over the slower rank's step; the ranks meet at the reduce-scatter, so the steps
+    # are nearly equal and the figure is ~2x rank 0's own tokens over its own step
+    assert row["tokens_per_s"] > 1.5 * row["tokens_per_step"] / row["step_s"], row
+    assert all(math.isfinite(x) for x in row["losses"]) and any("FSDP" in op[0] or "reduce_scatter" in op[0]
+                                                                for op in row["top_ops"]), row["top_ops"]
+
+
+def test_under_torchrun_every_row_shares_one_compile_setting():
+    bad = subprocess.run([sys.executable, "bench/bench_learner_op.py", "--quick", "--rows", "varlen,varlen+compile"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "WORLD_SIZE": "2"})
+    assert bad.returncode == 2 and "+compile on every row or on none" in bad.stderr, bad.stderr
