@@ -139,10 +139,7 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
         raise ValueError(f"training.compile: blocks found no vision blocks or decoder layers in "
                          f"{type(model).__name__}. Fix: set training.compile: none for this model")
     for block in blocks:
-        # The block's forward, not Module.compile's __call__: that would put the hooks inside the compiled
-        # function, and FSDP2's (all-gather, reshard), which dynamo must not trace, would break its graph at
-        # every block.
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.compile(backend=backend)
     return len(blocks)
 
 
