@@ -261,8 +261,9 @@ def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
         terms["sync chunk"] = cfg.weight_sync.bucket_mb << 20
     forward_end, vision_backward = activation_bytes(cfg, shape, b)
     activations = forward_end
-    if "gradients" in terms and cfg.derived.gradient_accumulation_steps == 1:  # no gradients during the forward
-        activations = max(forward_end - terms["gradients"], vision_backward)
+    grads = terms.get("gradients", terms.get("gradients (shard)"))
+    if grads is not None and cfg.derived.gradient_accumulation_steps == 1:  # no gradients during the forward
+        activations = max(forward_end - grads, vision_backward)
     terms["activations"] = int(activations)
     terms["fixed"] = FIXED_BYTES
     return terms

@@ -248,6 +248,17 @@ def test_loopback_addresses_are_refused_when_the_learner_nodes_span_machines():
     assert load_config(None, BASE + TWO_NODES).learner.nnodes == 2  # every node on one machine: loopback is fine
 
 
+def test_compiled_blocks_under_fsdp2_on_several_ranks_are_refused_with_the_measurement_and_the_fix():
+    # 7b on 2 x H100 (docs/benchmarks.md section 20): compiled blocks under FSDP2 stepped 3.9x slower than eager
+    two = ["learner.parallel=fsdp", "learner.nproc_per_node=2", "training.compile=blocks"]
+    msg = one_problem([*BASE, *two], "training.compile")
+    assert "3.9x slower" in msg and "set training.compile: none" in msg
+    one_problem([*BASE, *two[:1], two[2]], "training.compile", world_size=2)  # the learner's own world size
+    for fine in (["learner.parallel=ddp", *two[1:]], [two[0], "learner.nproc_per_node=1", two[2]],
+                 [*two[:2], "training.compile=none"]):
+        assert load_config(None, [*BASE, *fine]).training.compile in ("blocks", "none"), fine
+
+
 def test_learner_ranks_must_outwait_a_weight_push_before_anything_starts():
     # Rank 1 waits at a barrier while rank 0 pushes; a collective deadline no longer than the push's would
     # kill a slow push's run. The rule fires at load (the launcher), not after the server has started.

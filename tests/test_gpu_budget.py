@@ -247,6 +247,7 @@ E2E_3B = replace(PRESET_3B_REAL_VOCAB, max_pixels=1008 * 1008)
 _WIDER = 2 * (151936 - 2048) * 3584
 E2E_7B = replace(PRESET_7B, vocab=151936, num_params=PRESET_7B.num_params + _WIDER,
                  root_params=PRESET_7B.root_params + _WIDER, max_pixels=1008 * 1008)
+BENCH_7B = replace(E2E_7B, max_pixels=1024 * 1024)  # bench_learner_op.py --preset 7b (--vocab 151936)
 # bench/bench_learner_op.py's step: one pack per optimizer step, no weight sync, no snapshot
 BENCH = ["training.gradient_accumulation_steps=1", "weight_sync.mode=blocking", "weight_sync.transport=http"]
 
@@ -264,6 +265,9 @@ BENCH = ["training.gradient_accumulation_steps=1", "weight_sync.mode=blocking", 
     ("7b learner of the 1 + 1 split", OP_POINT_7B, ["rollout_server.gpus=[0]", "rollout_server.tensor_parallel_size=1",
                                                    "learner.gpus=[1]", "learner.nproc_per_node=1",
                                                    "learner.parallel=ddp"], E2E_7B, 70.41),
+    # docs/benchmarks.md section 20, the 7b learner bench on 2 FSDP2 ranks (2 x H100, eager, every layer
+    # checkpointed, one pack a step): the larger rank's max_memory_allocated
+    ("7b on 2 FSDP2 ranks, eager", OP_POINT_7B, [*BENCH, "training.compile=none"], BENCH_7B, 41.0),
 ])
 def test_the_estimate_is_within_15_percent_of_each_measured_peak(case, config, overrides, shape, measured_gib):
     """Issue 31 item 5: the launcher's whole estimate (``fixed`` included, as the sections compare it) against the
