@@ -428,3 +428,16 @@ def test_the_overload_soak_quick_run_balances_its_books_and_the_actor_exits_on_t
     for name in ("learner", "actor", "flood"):
         p = res["processes"][name]
         assert {"rss_mb", "threads", "fds", "sockets"} <= set(p) and p["rss_mb"]["end"] > 0, name
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"STAGE": "warm", "WS_CURRICULUM": "800:3:0.25/0.6,800:x"}, "WS_CURRICULUM stage '800:x': not STEPS:MAX_OBJECTS"),
+    ({"STAGE": "warm", "WS_FROM": "/nonexistent/det"}, "WS_FROM=/nonexistent/det: no config.json there. Fix:"),
+    ({"STAGE": "later"}, "STAGE=later: one of all, warm, bench"),
+])
+def test_the_gpu_quality_script_refuses_a_bad_knob_before_any_stage_runs(tmp_path, env, says):
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(REPO / "bench/gpu_quality_seeds.sh")], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, **env, "OUT": str(out)})
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert not out.exists(), "refused before the first stage: no output folder, no stale warm start copied into it"
