@@ -25,7 +25,8 @@
 # MAX_PIXELS (the model's image area cap: 28224 = 168 px, 6 x 6 merged patches), SIDES (crowded image sides, e.g.
 # 336 with MAX_PIXELS=112896: 12 x 12 merged patches; empty: the crowded preset's 112..168), N_TRAIN
 # (1536: ~14 ms an image to draw at 168 px, ~0.1 s at 336; one drawing process per core), WARM_EVAL_IMAGES (the
-# warm stage ends scoring the warm start on this many of the split's validation images, report in OUT/warm_eval: 64),
+# warm stage ends scoring the warm start on this many of the split's validation images, report in OUT/warm_eval, and
+# scores each curriculum stage on its own set, reports in details.tgz: 64),
 # WS_FROM (a warm start folder an earlier STAGE=warm call left, e.g. /tmp/gpu-quality-seeds/det: this warm stage
 # continues from its weights with a fresh AdamW and lr schedule, on the same data when N_TRAIN matches),
 # WS_CURRICULUM (empty; e.g. 800:3:0.25/0.6,800:10:0.12/0.35: warm-start stages on easier scenes of the same size
@@ -89,6 +90,17 @@ stage() {  # stage NAME DEADLINE_S CMD...: run under a deadline, record its seco
   return $rc
 }
 left() { echo $((TOTAL_S - SECONDS)); }
+score() {  # score NAME MODEL VAL_JSONL OUT_DIR: a warm start's own F1 before anything spends time on it, by an hf
+  # server on GPU 0 (the CPU without CUDA) and `python -m evaluator` on WARM_EVAL_IMAGES images at the arms' cap
+  local name=$1 model=$2 val=$3 out=$4
+  python3 -m rollout_server --config "$CONFIG" rollout_server.port=8790 model.path="$model" \
+      rollout_server.model_path="$model" "${DATA_KEYS[@]}" "${DEVICE[@]}" > "$WORK/$name-server.log" 2>&1 &
+  EVAL_SERVER=$!
+  stage "$name" 240 python3 -m evaluator --url http://127.0.0.1:8790 --model "$model" --data "$val" --config "$CONFIG" \
+      --max-images "$WARM_EVAL_IMAGES" --max-new-tokens 1400 --batch-size 64 --server-timeout 150 --out "$out" \
+      --overwrite --grid 4
+  kill "$EVAL_SERVER" 2>/dev/null; wait "$EVAL_SERVER" 2>/dev/null; EVAL_SERVER=
+}
 
 ON_GPU=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 DEVICE=()
@@ -175,6 +187,7 @@ for spec in ${WS_CURRICULUM//,/ }; do
   tail -n 2 "$WORK/ws-stage$n.out"
   mkdir -p "$WORK/curriculum" && cp "$WORK/det-stage$n/warm_start_metrics.jsonl" "$WORK/curriculum/stage$n.jsonl" 2>/dev/null
   [ -f "$WORK/det-stage$n/config.json" ] || break  # late or failed: the crowded stage starts from the last that finished
+  score "eval-stage$n" "$WORK/det-stage$n" "$C_DATA/val.jsonl" "$WORK/curriculum/eval-stage$n"  # in details.tgz
   START=$WORK/det-stage$n
   WS_KEYS=("${WS_KEYS[@]}" model.path="$START")
 done
@@ -219,16 +232,7 @@ python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['result']; print('wa
 [ -n "${VAL_PID:-}" ] && wait "$VAL_PID"; VAL_PID=
 cat "$WORK/val.out"
 if [ "$STAGE" = warm ]; then
-  # The warm start's own score, before any arm spends time on it: an hf server on GPU 0 (its first slot; the CPU
-  # without CUDA) and `python -m evaluator` on the split's WARM_EVAL_IMAGES validation images, at the arms' cap.
-  SERVE=(python3 -m rollout_server --config "$CONFIG" rollout_server.port=8790 model.path="$DET"
-         rollout_server.model_path="$DET" "${DATA_KEYS[@]}" "${DEVICE[@]}")
-  "${SERVE[@]}" > "$WORK/warm-eval-server.log" 2>&1 &
-  EVAL_SERVER=$!
-  stage warm-eval 240 python3 -m evaluator --url http://127.0.0.1:8790 --model "$DET" --data "$DATA/val.jsonl" \
-      --config "$CONFIG" --max-images "$WARM_EVAL_IMAGES" --max-new-tokens 1400 --batch-size 64 \
-      --server-timeout 150 --out "$OUT/warm_eval" --overwrite
-  kill "$EVAL_SERVER" 2>/dev/null; wait "$EVAL_SERVER" 2>/dev/null
+  score warm-eval "$DET" "$DATA/val.jsonl" "$OUT/warm_eval"
   ts "warm stage done: STAGE=bench on this machine runs the arms"
   exit 0
 fi
