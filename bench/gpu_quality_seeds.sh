@@ -170,7 +170,7 @@ T_WS=$SECONDS
 # Curriculum (WS_CURRICULUM): stages of easier scenes at the same image size before the crowded warm start, each
 # STEPS:MAX_OBJECTS:LOW/HIGH (1..MAX_OBJECTS shapes of LOW-HIGH of the side) continuing from the last; the CPU's
 # tiny preset localised 1..3 shapes of 25-60 % (docs/warm_start.md), and 1..10 smaller ones better after them than from
-# scratch (F1 0.075 against 0.014 in 1,600 steps of 8, docs/benchmarks.md section 21).
+# scratch (F1 0.075 and 0.063 against 0.014 and 0.010 in 1,600 steps of 8, two seeds, docs/benchmarks.md section 21).
 n=0
 for spec in ${WS_CURRICULUM//,/ }; do
   n=$((n + 1))
