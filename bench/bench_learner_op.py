@@ -294,7 +294,7 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
     timed = [one(args.warmup + i) for i in range(args.steps)]
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     table = (Path(f"{args.out.removesuffix('.json')}-{row.replace('+', '-')}.txt")
-             if args.out and os.environ.get("RANK", "0") == "0" else None)
+             if args.out and is_main_rank() else None)
     prof = profile_step(lambda: one(args.warmup + args.steps), device, table)
     med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
     ranks = [(timed, peak)]
@@ -321,6 +321,11 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
         "losses": [round(r["loss"], 4) for r in timed],  # NaN would show a broken row, not a slow one
         **prof,
     }
+
+
+def is_main_rank() -> bool:
+    """Rank 0 (or no torchrun): the one that prints, writes --out and the profiler's tables."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def device_name(device) -> str:
@@ -416,7 +421,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     peak_tflops = matmul_tflops(device, dtype)
     marks: list[Marks] = [Marks(device)]
     hook_vision(model, marks)
-    main_rank = dist is None or dist.is_main
+    main_rank = is_main_rank()
     setup = {"preset": args.preset, "embedding_rows": model.get_input_embeddings().weight.shape[0],
              "lm_params_non_embedding": lm_params, "side": args.side, "max_objects": args.max_objects,
              "packing_length": args.packing_length, "packs": len(packs), "pack_tokens": [p.n_tokens for p in packs],

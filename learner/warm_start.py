@@ -131,6 +131,10 @@ def is_built(out: Path, params: dict[str, Any]) -> bool:
         return False
 
 
+#: The data counters the result reports (summed over the ranks).
+COUNTERS = ("samples_drawn", "too_long_dropped", "record_errors")
+
+
 def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
     """Run ``training.max_steps`` Channel-A steps with coord CE and save the model into ``out_tmp`` (rank 0).
 
@@ -198,7 +202,7 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
         data.close()
         if metrics is not None:
             metrics.close()
-    counts = [data.counters[k] for k in ("samples_drawn", "too_long_dropped", "record_errors")]
+    counts = [data.counters[k] for k in COUNTERS]
     if dist is not None:
         counts = [int(v) for v in dist.all_reduce(counts, "sum", "the warm start's data counters")]
     if out_tmp is not None:
@@ -206,7 +210,7 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
         model.save_pretrained(out_tmp)
         copy_model_side_files(Path(cfg.model.path), out_tmp)
     return {"steps": t.max_steps, "seconds": round(time.monotonic() - started, 1), "final": last, "ranks": world,
-            **dict(zip(("samples_drawn", "too_long_dropped", "record_errors"), counts))}
+            **dict(zip(COUNTERS, counts))}
 
 
 def ensure_warm_start(cfg: Any, out: str | os.PathLike[str], *, force: bool = False,
