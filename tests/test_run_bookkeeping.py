@@ -16,6 +16,7 @@ import os
 
 import pytest
 
+from tests.ports import free_port_block
 from tests.test_learner_harness import launch_learner, private_copy, write_config
 
 pytestmark = pytest.mark.slow
@@ -49,8 +50,11 @@ def run(tmp_path_factory, tiny_model_dir, synth_data_dir):
         with pytest.MonkeyPatch.context() as env:  # the learner inherits them: no network, no login, no server
             env.setenv("WANDB_MODE", "offline")
             env.delenv("MLFLOW_TRACKING_URI", raising=False)
+            # a fresh port block for each part: the one picked when the config was written may be another test's
+            # by the time the resumed part binds (it was once: "Address already in use" in the full suite)
             proc = launch_learner(cfg, tmp / f"{name}.log", nproc=RANKS,
-                                  overrides=[f"training.max_steps={steps}", *extra])
+                                  overrides=[f"training.max_steps={steps}", *extra,
+                                             f"transport.base_port={free_port_block(2 * RANKS)}"])
         try:
             rc = proc.wait(300, f"the {RANKS}-rank learner ({name} part)")
         finally:
