@@ -7,11 +7,10 @@ launches and where the step goes (issue 31).
     python bench/bench_learner_op.py --quick    # the same code on the tiny preset, CPU, 112 px (tests/)
     python -m torch.distributed.run --nproc_per_node 2 bench/bench_learner_op.py --preset 7b [--parallel fsdp] ...
 
-Everything is generated here (GPU machines start bare and offline): the preset's config with ``--vocab``
-embedding rows, the tokenizer and a processor capped at ``--side``² pixels (tools/make_tiny_model.py),
-random bf16 weights made on the device, synthetic ``--side`` px images with 1..``--max-objects`` shapes
-(common/data/synthetic.py). The step is the project's own: ``Encoder`` segments (untimed, the actors' work) →
-``Packer`` packs of up to ``--packing-length`` tokens → timed: ``pack_inputs`` → ``forward_rows`` → ``pack_loss``
+Everything is generated (bench/op_inputs.py; ``--work DIR`` keeps the rendered images for the next call): the
+preset's config with ``--vocab`` rows, the tokenizer and a processor capped at ``--side``² pixels, random bf16
+weights made on the device, synthetic ``--side`` px images with 1..``--max-objects`` shapes. The step is the
+project's own: ``Encoder`` segments (untimed, the actors' work) → ``Packer`` packs of up to ``--packing-length`` tokens → timed: ``pack_inputs`` → ``forward_rows`` → ``pack_loss``
 (or ``forward_loss`` with ``training.loss_head``) → backward → ``clip_and_step`` (fused AdamW), gradient
 checkpointing on, one pack per step. Every row trains on the same packs on the same model.
 
@@ -33,7 +32,10 @@ Fields: ``tokens_per_s`` (median over ``--steps``), ``mfu`` = 6 × non-embedding
 gradient hooks on its output and on the logits: so the LM's share includes the head's projection, and
 ``loss_s`` is null with the chunked head, which runs inside the LM's forward); from one more step under
 ``torch.profiler``: ``kernel_launches_per_step`` (CUDA launch API calls; null on the CPU), ``gpu_busy_s``
-(kernel time) and ``top_ops`` (the 8 ops with most device time, or CPU time on the CPU).
+(kernel time), ``top_ops`` (the 8 ops with most device time, or CPU time on the CPU); per rank: ``rank_step_s`` (every
+timed step) and ``graphs_compiled_in_timed_steps`` (dynamo's count: > 0 means the timed steps paid compilation, and
+on several ranks the others waited for it at the next collective: give compiled rows a warmup of more steps than
+each rank has packs, as every new pack shape can recompile).
 """
 
 from __future__ import annotations
@@ -49,94 +51,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from op_inputs import build_model, make_packs, model_dir, render_records  # noqa: E402  (bench/: the script's folder)
 
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                "cudaLaunchCooperativeKernel")
-
-
-# --------------------------------------------------------------------------------------------- inputs
-
-
-def render_one(job: tuple[str, int, int, int]) -> dict:
-    """One synthetic record (PNG written under ``root/images``): a process-pool job."""
-    from common.data.synthetic import render_record
-
-    root, index, side, max_objects = job
-    image, record = render_record(31, index, sides=(side,), max_objects=max_objects)
-    path = f"images/op-{index:05d}.png"
-    image.save(Path(root) / path)
-    return dict(record, images=[path])
-
-
-def render_records(root: Path, n: int, side: int, max_objects: int, world: int = 1) -> list[dict]:
-    """``n`` records, rendered in parallel (40 shapes at 1024 px take ~1.4 s each on one core; each of ``world``
-    ranks renders them all, on its share of the cores)."""
-    import multiprocessing
-
-    (root / "images").mkdir(parents=True, exist_ok=True)
-    jobs = [(str(root), i, side, max_objects) for i in range(n)]
-    procs = max(1, min(16, (os.cpu_count() or 1) // world))
-    with multiprocessing.get_context("fork").Pool(procs) as pool:  # before CUDA starts
-        return pool.map(render_one, jobs)
-
-
-def model_dir(root: Path, preset: str, vocab: int | None, side: int) -> Path:
-    """Config (``vocab`` embedding rows), tokenizer and a processor taking images up to ``side``² pixels."""
-    from tools import make_tiny_model as mtm
-
-    tok = mtm.build_tokenizer(True)
-    config = mtm.build_config(preset, tok)
-    if vocab:
-        config.text_config.vocab_size = vocab
-    config.save_pretrained(root)
-    tok.save_pretrained(root)
-    mtm.build_image_processor(max_pixels=side * side).save_pretrained(root)
-    (root / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
-    return root
-
-
-def make_packs(path: Path, records: list[dict], packing_length: int) -> list:
-    """Channel-A segments of ``records`` packed as the actors pack (90 % fill or better)."""
-    from common.detection.answer import canonical_order
-    from common.data.records import load_record
-    from common.packing.packer import Packer
-    from common.detection.targets import channel_a_target
-    from common.packing.encode import Encoder
-
-    encoder = Encoder(path, packing_length, image_root=str(path))
-    packer = Packer(packing_length, min_fill_ratio=0.9, max_wait_s=1e9, clock=lambda: 0.0)
-    for i, raw in enumerate(records):
-        record = load_record(raw)
-        target = channel_a_target(canonical_order(record.objects), encoder.tokenizer, coord_ids=encoder.coord_ids)
-        segment = encoder.encode(record, target, sample_id=f"op{i}", channel="A", ver=0)
-        if segment is not None:
-            packer.add(segment)
-    return packer.pop_ready()
-
-
-def build_model(path: Path, device, dtype):
-    """Random weights made on ``device`` (N(0, 0.02); norms 1, biases 0), gradient checkpointing on."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from learner.model import set_checkpointing
-
-    torch.manual_seed(0)
-    with torch.device(device):  # the modules' own __init__ on the device: the rotary buffers are computed there
-        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
-                                                        attn_implementation="sdpa")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    model.tie_weights()
-    set_checkpointing(model, 1)  # each row sets its own (+ckptN)
-    model.config.use_cache = False
-    return model.train()
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel")
 
 
 def set_attention(model, row: str) -> str:
@@ -154,8 +71,7 @@ def set_attention(model, row: str) -> str:
 def sync(device) -> None:
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
 
 
 # --------------------------------------------------------------------------------------------- the step
@@ -243,21 +159,29 @@ def step(model, pack, attn: str, loss_head: str, optimizer, scheduler, coord_ids
 
 
 def profile_step(run, device, table: Path | None = None) -> dict:
-    """One more step under torch.profiler: launches, kernel time, the ops with most device time (and the
-    profiler's whole op table in ``table``, if given)."""
-    import torch
+    """Two more steps under torch.profiler, the second recorded (on 2 ranks the first step under the profiler
+    compiled anew: 9 frames at 7b, docs/benchmarks.md section 20): launches, kernel time, the ops with most device
+    time (and the profiler's op tables in ``table``, if given: by device time, by host time, by host time with
+    the 6 innermost Python frames of each op)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        run()
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1), with_stack=table is not None,
+                 acc_events=True) as prof:
+        for _ in range(2):
+            run()
+            prof.step()
     events = prof.events()
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    ops = sorted(prof.key_averages(), key=lambda a: getattr(a, key, 0) or 0, reverse=True)
-    if table is not None:
-        table.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+    ops = sorted((a for a in prof.key_averages() if ".py(" not in a.key and not a.key.startswith("<built-in")),
+                 key=lambda a: getattr(a, key, 0) or 0, reverse=True)  # torch ops, not the Python frames of with_stack
+    if table is not None:  # what a GPU-bound step spends, then what a host-bound one does, and from where
+        tables = [prof.key_averages().table(sort_by=k, row_limit=40, max_name_column_width=70)
+                  for k in dict.fromkeys((key, "self_cpu_time_total"))]
+        tables.append(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=25))
+        table.write_text("\n".join(tables) + "\n")
     return {
         "kernel_launches_per_step": sum(e.name in LAUNCH_CALLS for e in events) if device.type == "cuda" else None,
         "gpu_kernels_per_step": len(kernels) if device.type == "cuda" else None,
@@ -270,8 +194,9 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
             peak_tflops: float, lm_params: int, world: int = 1) -> dict:
     """``model``: the Hugging Face model (its attention, checkpointing, compile); ``trained``: what steps call."""
     import torch
+    from torch._dynamo.utils import counters
 
-    from learner.model import compile_blocks, set_checkpointing
+    from learner.blocks import compile_blocks, set_checkpointing
     from learner.throughput import mfu
 
     attn_row, *flags = row.split("+")
@@ -291,33 +216,35 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
         one(i)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    counters.clear()
     timed = [one(args.warmup + i) for i in range(args.steps)]
+    compiled = counters["stats"]["unique_graphs"]  # > 0: the timed steps paid compilation (recompiles)
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     table = (Path(f"{args.out.removesuffix('.json')}-{row.replace('+', '-')}.txt")
              if args.out and is_main_rank() else None)
-    prof = profile_step(lambda: one(args.warmup + args.steps), device, table)
+    prof = profile_step(lambda: one(args.warmup + args.steps), device, table)  # the same pack twice
     med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
-    ranks = [(timed, peak)]
+    ranks = [(timed, peak, compiled)]
     if world > 1:
         import torch.distributed as dist
 
         ranks = [None] * world
-        dist.all_gather_object(ranks, (timed, peak))
-        peaks = [p for _, p in ranks if p is not None]
-        peak = max(peaks) if peaks else None
+        dist.all_gather_object(ranks, (timed, peak, compiled))
+        peak = max((p for _, p, _ in ranks if p is not None), default=None)
     # step i: every rank's tokens over the slowest rank's time (they meet at the gradient reduction)
-    tokens_per_s = statistics.median(sum(t[i]["tokens"] for t, _ in ranks) / max(t[i]["step_s"] for t, _ in ranks)
+    tokens_per_s = statistics.median(sum(t[i]["tokens"] for t, *_ in ranks) / max(t[i]["step_s"] for t, *_ in ranks)
                                      for i in range(len(timed)))
     return {
         "row": row, "attn": attn_row, "loss_head": loss_head, "checkpoint_every": every, "device": device_name(device),
         "ranks": world, "parallel": args.parallel if world > 1 else None,
-        "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": round(mfu(tokens_per_s / world, lm_params, peak_tflops), 4),
+        "tokens_per_s": round(tokens_per_s, 1), "mfu": round(mfu(tokens_per_s / world, lm_params, peak_tflops), 4),
         "peak_gib": round(peak, 2) if peak is not None else None,
         "kernel_launches_per_step": prof.pop("kernel_launches_per_step"),
         "step_s": round(med("step_s"), 3), "tokens_per_step": med("tokens"),
+        "rank_step_s": [[round(r["step_s"], 3) for r in t] for t, *_ in ranks],  # every timed step of every rank
         **{k: (round(med(k), 3) if timed[0][k] is not None else None)
            for k in ("inputs_s", "vision_s", "lm_s", "loss_s", "optimizer_s")},
+        "graphs_compiled_in_timed_steps": [c for *_, c in ranks],  # per rank: one rank compiling stalls all
         "losses": [round(r["loss"], 4) for r in timed],  # NaN would show a broken row, not a slow one
         **prof,
     }
@@ -355,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", default=None, help="default: sdpa,varlen-vision,varlen (--quick: sdpa,varlen)")
     ap.add_argument("--out", default=None, help="also write every row (and the setup) to this JSON file")
+    ap.add_argument("--work", default=None, help="keep the rendered records here for the next call (default: a temp dir)")
     ap.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp", help="the wrap under torchrun (default fsdp)")
+    ap.add_argument("--keep-unsharded", action="store_true",
+                    help="FSDP2: learner.fsdp.reshard_after_forward false (blocks stay gathered until their backward)")
     args = ap.parse_args(argv)
     if args.quick:
         args.preset, args.vocab, args.side, args.max_objects, args.packing_length = "tiny", 0, 112, 4, 1024
@@ -368,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and len({"+compile" in r for r in args.rows.split(",")}) > 1:
         ap.error(f"--rows {args.rows}: under torchrun the blocks are compiled before the wrap, for every row. Fix: "
                  "give +compile on every row or on none")
-    with tempfile.TemporaryDirectory(prefix="bench-learner-op-") as work:
-        return run(args, Path(work))
+    if args.work:
+        work = Path(args.work, f"rank{os.environ.get('RANK', '0')}")
+        work.mkdir(parents=True, exist_ok=True)
+        return run(args, work)
+    with tempfile.TemporaryDirectory(prefix="bench-learner-op-") as tmp:
+        return run(args, Path(tmp))
 
 
 def run(args: argparse.Namespace, work: Path) -> int:
@@ -390,7 +324,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
     from transformers import AutoTokenizer
 
     from common.detection.coord_tokens import require_coord_tokens
-    from learner.model import build_optimizer, compile_blocks
+    from learner.blocks import compile_blocks
+    from learner.model import build_optimizer
     from learner.throughput import matmul_tflops, non_embedding_lm_params
 
     dist = None
@@ -412,8 +347,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
 
         if "+compile" in args.rows:
             compile_blocks(model)
-        trained = parallel.wrap(model, argparse.Namespace(parallel=args.parallel, fsdp=FsdpConfig()), device, world,
-                                dist.local_rank)
+        fsdp = FsdpConfig(reshard_after_forward=not args.keep_unsharded)
+        trained = parallel.wrap(model, argparse.Namespace(parallel=args.parallel, fsdp=fsdp), device, world, dist.local_rank)
     training = argparse.Namespace(lr=1e-5, weight_decay=0.0, adamw_impl="fused", warmup_steps=0, max_steps=1000,
                                   min_lr_ratio=0.1)
     optimizer, scheduler = build_optimizer(model, training)
@@ -428,7 +363,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
              "pack_images": [sum(len(s.image_grid_thw) for s in p.segments) for p in packs],
              "peak_tflops": round(peak_tflops, 3), "dtype": str(dtype).removeprefix("torch."),
              "torch": torch.__version__, "prep_s": round(prep_s, 1), "gradient_checkpointing": True,
-             "ranks": world, "parallel": args.parallel if world > 1 else None}
+             "ranks": world, "parallel": args.parallel if world > 1 else None, "keep_unsharded": args.keep_unsharded}
     if main_rank:
         print(json.dumps({"setup": setup}), flush=True)
     rows = []

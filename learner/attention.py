@@ -144,6 +144,7 @@ def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
+@torch.compiler.disable  # host-read boundaries: compiled, a checkpointed layer's recomputation saved other tensors
 def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool,
                      scale: float | None) -> torch.Tensor:
     """The same result as :func:`torch_varlen` from one sdpa call per segment (CPU, float32, tests)."""

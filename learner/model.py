@@ -45,6 +45,7 @@ import torch
 from common.packing.segment import PackLimits
 from common.detection.coord_tokens import require_coord_tokens
 from learner import attention
+from learner.blocks import compile_blocks, set_checkpointing
 from learner.loss import LossTerms, LossWeights, Normaliser, Rows, head_loss, pack_loss, supervised_rows
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bo
 
     ``device`` is where it computes (``model.dtype: auto`` resolves against it); the weights are put on
     ``load_device`` (default ``device``): the CPU under FSDP2, which moves them block by block while
-    sharding (``learner.parallel.load_device``). ``compile``: ``training.compile`` (:func:`compile_blocks`);
-    ``checkpoint_every``: ``training.gradient_checkpointing_every`` (:func:`set_checkpointing`).
+    sharding (``learner.parallel.load_device``). ``compile``: ``training.compile`` (learner.blocks.compile_blocks);
+    ``checkpoint_every``: ``training.gradient_checkpointing_every`` (learner.blocks.set_checkpointing).
     """
     from transformers import AutoModelForImageTextToText, AutoTokenizer  # heavy: deferred
 
@@ -91,56 +92,6 @@ def load_policy(model_cfg: Any, device: torch.device, gradient_checkpointing: bo
     model.config.use_cache = False
     model.to(load_device or device).train()
     return model, tokenizer, coord_ids
-
-
-def set_checkpointing(model: torch.nn.Module, every: int) -> int:
-    """Gradient checkpointing on every ``every``-th layer (0: off), counting the vision blocks and the decoder
-    layers in module order as transformers' ``GradientCheckpointingLayer`` does. Returns how many layers
-    recompute in backward.
-
-    Why not all of them: each checkpointed layer runs its forward twice, ~1/3 more matmul work, and the
-    rest of the step's GPU time is its elementwise ops, recomputed too; a layer left out keeps its whole
-    activation instead (``launcher.gpu_budget`` estimates both). Where memory allows, ``every: 2`` keeps
-    half the saving for half the recomputation (docs/benchmarks.md section 20 measures it). Done with the
-    per-layer flag that transformers itself sets, so FSDP2's and compile's wrappers see the same modules.
-    """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    if every < 0:
-        raise ValueError(f"training.gradient_checkpointing_every = {every}: must be ≥ 0 (0 = off, 1 = every layer)")
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x (takes every_n_layers itself)
-        if every:
-            model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
-        else:
-            model.activation_checkpointing_disable()
-    elif every:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for i, layer in enumerate(layers):  # the same rule as transformers' every_n_layers, for releases without it
-        layer.gradient_checkpointing = bool(every) and i % every == 0
-    return sum(layer.gradient_checkpointing for layer in layers)
-
-
-def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """``training.compile: blocks``: ``torch.compile`` each vision block and decoder layer in place (regional
-    compilation, as torchtitan does: one compiled graph serves every layer of a kind, so compile time does
-    not grow with depth, and the elementwise work between the matmuls fuses into few kernels). Done before
-    DDP/FSDP2 wrap the model, whose hooks stay on the blocks. Returns how many blocks were compiled.
-
-    At the operating point on an H100 it took a 3b step from 1.82 to 1.11 s (docs/benchmarks.md section 20);
-    the first steps pay the compilation. ``backend``: tests use ``eager`` (the wiring without inductor's
-    minutes of C++ builds on a CPU)."""
-    inner = getattr(model, "model", model)
-    blocks = [*getattr(getattr(inner, "visual", None), "blocks", ()),
-              *getattr(getattr(inner, "language_model", None), "layers", ())]
-    if not blocks:
-        raise ValueError(f"training.compile: blocks found no vision blocks or decoder layers in "
-                         f"{type(model).__name__}. Fix: set training.compile: none for this model")
-    for block in blocks:
-        block.compile(backend=backend)
-    return len(blocks)
 
 
 # --------------------------------------------------------------------------------------------- packs

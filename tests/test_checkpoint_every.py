@@ -9,14 +9,16 @@ import torch
 
 from common.config.load import ConfigError, load_config
 from launcher import gpu_budget as G
-from learner.model import set_checkpointing
+from learner.blocks import checkpointed, set_checkpointing
 from tests.conftest import REPO_ROOT
 from tests.test_gpu_budget import ONE_GPU, PRESET_05B
 from tests.test_varlen_attention import loss_and_grads, norm_of, policy, segments
 
 
 def layer_flags(model) -> list[bool]:
-    return [b.gradient_checkpointing for b in (*model.model.visual.blocks, *model.model.language_model.layers)]
+    flags = checkpointed(model)
+    assert len(flags) == len(model.model.visual.blocks) + len(model.model.language_model.layers)
+    return flags
 
 
 def test_every_nth_layer_recomputes_and_the_packed_loss_and_gradients_do_not_change(tiny_model_dir):

@@ -248,15 +248,12 @@ def test_loopback_addresses_are_refused_when_the_learner_nodes_span_machines():
     assert load_config(None, BASE + TWO_NODES).learner.nnodes == 2  # every node on one machine: loopback is fine
 
 
-def test_compiled_blocks_under_fsdp2_on_several_ranks_are_refused_with_the_measurement_and_the_fix():
-    # 7b on 2 x H100 (docs/benchmarks.md section 20): compiled blocks under FSDP2 stepped 3.9x slower than eager
-    two = ["learner.parallel=fsdp", "learner.nproc_per_node=2", "training.compile=blocks"]
-    msg = one_problem([*BASE, *two], "training.compile")
-    assert "3.9x slower" in msg and "set training.compile: none" in msg
-    one_problem([*BASE, *two[:1], two[2]], "training.compile", world_size=2)  # the learner's own world size
-    for fine in (["learner.parallel=ddp", *two[1:]], [two[0], "learner.nproc_per_node=1", two[2]],
-                 [*two[:2], "training.compile=none"]):
-        assert load_config(None, [*BASE, *fine]).training.compile == fine[-1].split("=")[1], fine  # loads as given
+def test_compiled_blocks_load_on_several_learner_ranks_under_fsdp2_and_ddp():
+    # refused once on a bench artifact (recompiles of new pack shapes inside 3 timed steps); with the warmup past
+    # them, compiled blocks on 2 ranks at 7b were 1.34x (FSDP2) faster than eager: docs/benchmarks.md section 20
+    for parallel in ("fsdp", "ddp"):
+        cfg = load_config(None, [*BASE, f"learner.parallel={parallel}", "learner.nproc_per_node=2", "training.compile=blocks"])
+        assert (cfg.learner.parallel, cfg.training.compile) == (parallel, "blocks")
 
 
 def test_learner_ranks_must_outwait_a_weight_push_before_anything_starts():

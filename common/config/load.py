@@ -242,12 +242,6 @@ def _check_rules(cfg: Config, problems: _Problems, world_size: int | None) -> No
                      f"must exceed weight_sync.timeout_s = {sync_t} with {ranks} learner ranks (the others wait at a "
                      "barrier while rank 0 pushes: every blocking sync, and in overlap mode the start-up sync and a "
                      "checkpoint's wait for the push in flight)", f"raise learner.collective_timeout_s above {sync_t}")
-    if t.compile == "blocks" and lrn.parallel == "fsdp" and ranks > 1:
-        problems.add("training.compile", t.compile,
-                     f"with learner.parallel: fsdp on {ranks} ranks the compiled blocks stepped 3.9x slower than eager "
-                     "(7b, 2 x H100: 10.4 s against 2.65 s a step, the GPU busy 3.0 s of the 10.4: FSDP2's all-gather "
-                     "and reshard hooks run around each compiled block; docs/benchmarks.md section 20)",
-                     "set training.compile: none under FSDP2 (or learner.parallel: ddp where a replica fits)")
     positive("stage2_ab.channel_b.rollout_decode_batch_size", cb.rollout_decode_batch_size)
     positive("stage2_ab.channel_b.rollouts_per_step", cb.rollouts_per_step)
     positive("stage2_ab.channel_b.async.queue_limit", a.queue_limit)

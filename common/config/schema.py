@@ -95,10 +95,11 @@ class TrainingConfig(TrainingRunKeys):
         "terms read the 1000 coord columns exactly as plain does. Same loss and gradients up to float rounding "
         "(docs/learner.md, Loss head).", "plain")
     compile: Literal["none", "blocks"] = doc(
-        "blocks: torch.compile each vision block and decoder layer (regional; learner/model.py compile_blocks): the "
+        "blocks: torch.compile each vision block's and decoder layer's forward (regional; learner/blocks.py): the "
         "elementwise work between matmuls fuses (a 3b step at 12000 tokens: 1.82 -> 1.11 s on an H100, "
-        "docs/benchmarks.md section 20); the first steps pay the compilation. Refused with learner.parallel: fsdp on "
-        "several ranks (7b on 2 x H100: 3.9x slower than eager). none: eager.", "none")
+        "docs/benchmarks.md section 20); the first steps pay the compilation (and each new pack length, until the token "
+        "count is dynamic). Also under FSDP2 and DDP: 7b on 2 x H200, 2.43 -> 1.80 s a step under FSDP2. none: eager.",
+        "none")
     peak_tflops: float | None = doc(
         "The dense matmul rate of one learner device in TFLOP/s (e.g. a datasheet's bf16 figure), the peak that "
         "throughput/mfu divides by (learner/throughput.py). None = measured at start-up on rank 0's device: an "
