@@ -43,7 +43,7 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
                       41,000); eager 137,392 (137,216), 237,849 (237,568), 58,190 (58,080)
       a layer, checkpointed   b h (its input); gradient_checkpointing_every N checkpoints the layers whose index
                       is a multiple of N, counting the vision blocks first and the decoder layers after them
-                      (learner/model.py set_checkpointing); the last decoder layer, when checkpointed, is whole
+                      (learner/blocks.py set_checkpointing); the last decoder layer, when checkpointed, is whole
                       again while backward recomputes it (a vision block is recomputed only after the decoder's
                       activations are freed)
       vision          patches = T s merge² (s = image-token share of a pack, below), the vision tower's widths
