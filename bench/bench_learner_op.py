@@ -10,9 +10,10 @@ launches and where the step goes (issue 31).
 Everything is generated (bench/op_inputs.py; ``--work DIR`` keeps the rendered images for the next call): the
 preset's config with ``--vocab`` rows, the tokenizer and a processor capped at ``--side``² pixels, random bf16
 weights made on the device, synthetic ``--side`` px images with 1..``--max-objects`` shapes. The step is the
-project's own: ``Encoder`` segments (untimed, the actors' work) → ``Packer`` packs of up to ``--packing-length`` tokens → timed: ``pack_inputs`` → ``forward_rows`` → ``pack_loss``
-(or ``forward_loss`` with ``training.loss_head``) → backward → ``clip_and_step`` (fused AdamW), gradient
-checkpointing on, one pack per step. Every row trains on the same packs on the same model.
+project's own: ``Encoder`` segments (untimed, the actors' work) → ``Packer`` packs of up to ``--packing-length``
+tokens → timed: ``pack_inputs`` → ``forward_rows`` → ``pack_loss`` (or ``forward_loss`` with
+``training.loss_head``) → backward → ``clip_and_step`` (fused AdamW), gradient checkpointing on, one pack per
+step. Every row trains on the same packs on the same model.
 
 Rows (``--rows``, comma-separated): ``sdpa`` (vision: one sdpa call per window; LM: sdpa with the [T, T]
 mask), ``varlen-vision`` (vision varlen, LM as sdpa), ``varlen`` (both: ``model.attn_implementation: varlen``),
@@ -53,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from op_inputs import build_model, make_packs, model_dir, render_records  # noqa: E402  (bench/: the script's folder)
 
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel")
 
 
 def set_attention(model, row: str) -> str:
@@ -71,7 +73,8 @@ def set_attention(model, row: str) -> str:
 def sync(device) -> None:
     import torch
 
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------- the step
@@ -159,8 +162,8 @@ def step(model, pack, attn: str, loss_head: str, optimizer, scheduler, coord_ids
 
 
 def profile_step(run, device, table: Path | None = None) -> dict:
-    """Two more steps under torch.profiler, the second recorded (on 2 ranks the first step under the profiler
-    compiled anew: 9 frames at 7b, docs/benchmarks.md section 20): launches, kernel time, the ops with most device
+    """Two more steps under torch.profiler, the second recorded (the first can compile: on 2 ranks at 7b it
+    traced 9 frames, docs/benchmarks.md section 20): launches, kernel time, the ops with most device
     time (and the profiler's op tables in ``table``, if given: by device time, by host time, by host time with
     the 6 innermost Python frames of each op)."""
     from torch.autograd import DeviceType
@@ -282,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", default=None, help="default: sdpa,varlen-vision,varlen (--quick: sdpa,varlen)")
     ap.add_argument("--out", default=None, help="also write every row (and the setup) to this JSON file")
-    ap.add_argument("--work", default=None, help="keep the rendered records here for the next call (default: a temp dir)")
+    ap.add_argument("--work", default=None,
+                    help="keep the rendered records here for the next call (default: a temp dir)")
     ap.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp", help="the wrap under torchrun (default fsdp)")
     ap.add_argument("--keep-unsharded", action="store_true",
                     help="FSDP2: learner.fsdp.reshard_after_forward false (blocks stay gathered until their backward)")
@@ -348,7 +352,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
         if "+compile" in args.rows:
             compile_blocks(model)
         fsdp = FsdpConfig(reshard_after_forward=not args.keep_unsharded)
-        trained = parallel.wrap(model, argparse.Namespace(parallel=args.parallel, fsdp=fsdp), device, world, dist.local_rank)
+        trained = parallel.wrap(model, argparse.Namespace(parallel=args.parallel, fsdp=fsdp), device, world,
+                                dist.local_rank)
     training = argparse.Namespace(lr=1e-5, weight_decay=0.0, adamw_impl="fused", warmup_steps=0, max_steps=1000,
                                   min_lr_ratio=0.1)
     optimizer, scheduler = build_optimizer(model, training)

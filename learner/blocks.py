@@ -10,14 +10,14 @@ Every ``GradientCheckpointingLayer`` (the vision blocks and decoder layers of Qw
                    otherwise:                       fn
                    fn = the layer class's forward, or its torch.compile'd form (training.compile: blocks)
 
-Why not transformers' own checkpointing (``gradient_checkpointing_enable``): its place moved between
-releases. 5.17 (the GPU image) checkpoints ``__call__``, so a checkpointed layer's recomputation in backward
-runs FSDP2's hooks a second time, and a compiled layer (``Module.compile``, hooks inside the compiled call) ran
-a 7b step on 2 × H100 in 10.4 s against 2.65 s eager (docs/benchmarks.md section 20); 5.24 checkpoints
-``forward`` behind ``torch.compiler.disable``, so ``Module.compile`` of a checkpointed layer captures no graph
-at all. Here the checkpoint and the compiled region are ours on every release: FSDP2's hooks never run inside
-the recomputation, and the compiled function is the layer's forward itself (one graph per kind of layer,
-shared by every layer of that kind: compile time does not grow with depth).
+Why not transformers' own checkpointing (``gradient_checkpointing_enable``): its place moved between releases.
+5.17 (the GPU image) checkpoints ``__call__``, so a checkpointed layer's recomputation in backward runs FSDP2's
+hooks a second time (an all-gather per layer more: a 7b step on 2 × H200 took 2.61 s eager and 2.05 s compiled
+that way, 2.45 and 1.80 s here; docs/benchmarks.md section 20); 5.24 checkpoints ``forward`` behind
+``torch.compiler.disable``, so ``Module.compile`` of a checkpointed layer captures no graph at all. Here the
+checkpoint and the compiled region are ours on every release: FSDP2's hooks never run inside the recomputation,
+and the compiled function is the layer's forward itself (one graph per kind of layer, shared by every layer of
+that kind: compile time does not grow with depth).
 
 What this module does not know: packs, losses, ranks or configs (learner.model.load_policy passes
 ``training.gradient_checkpointing_every`` and ``training.compile`` in).
