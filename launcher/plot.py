@@ -1,7 +1,7 @@
 """``python -m launcher.plot RUN_DIR``: turn a run's metrics.jsonl into PNGs.
 
 One overview figure (``run.png``) with eight panels: losses; cumulative A/B steps and skips; queue
-depth; ver and ver lag; pack fill; learner busy fraction; rollout P/R/F1 of the B steps (from their
+depth; ver and ver lag (with the final ver, pushed after the last step); pack fill; learner busy fraction; rollout P/R/F1 of the B steps (from their
 counts); validation quality (the evaluation records: F1@0.5, mAP, mAP@.5, parse failures). The step
 panels read step records only. Needs matplotlib (Agg backend, headless).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from common.runs import cli
 from common.detection.matching import precision_recall_f1
-from launcher.summary import K, read_split
+from launcher.summary import K, read_final_state, read_split
 
 #: Panel titles the tests look for.
 ROLLOUT_TITLE = "rollout P/R/F1 of B steps"
@@ -90,6 +90,10 @@ def build_figure(run_dir: str | Path) -> Any:
 
     ax = axes[1][1]
     ax.plot(steps, series(K + "ver_current"), label="ver_current")
+    final = read_final_state(run_dir, recs)  # the push after the last step: what the summary's "final ver" says
+    if final and final.get("ver") is not None:
+        ver = int(final["ver"])
+        ax.plot([steps[-1] + 1], [ver], "*", ms=12, label=f"final ver {ver} (after the last step)")
     # ver lag is a property of trained B packs: A steps have none (plotting them as 0 would claim a lag).
     b_steps = [s for s, r in zip(steps, recs) if r.get(K + "step_kind_b")]
     b_recs = [r for r in recs if r.get(K + "step_kind_b")]

@@ -55,3 +55,20 @@ def test_a_run_without_eval_records_still_plots_and_says_so(tmp_path):
     val = next(ax for ax in fig.axes if ax.get_title() == EVAL_TITLE)
     assert not val.get_lines() and "no evaluation records" in val.texts[0].get_text()
     assert plot_run(run)[0].exists()
+
+
+def test_the_versions_panel_ends_at_the_final_ver_the_summary_reports(tmp_path):
+    # the final push lands after the last step record (its checkpoint's trainer state holds it): the ver_current
+    # line ends one below what the summary calls "final ver"; the star says where the run ended
+    run = _run(tmp_path, with_evals=False)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        r[K + "ver_current"] = 1 + r["step"] // 4
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "checkpoints" / "12").mkdir(parents=True)
+    (run / "checkpoints" / "12" / "trainer_state.json").write_text(json.dumps({"step": 12, "ver": 4}))
+    panel = next(ax for ax in build_figure(run).axes if ax.get_title() == "versions")
+    lines = {line.get_label(): line for line in panel.get_lines()}
+    assert max(lines["ver_current"].get_ydata()) == 3
+    star = lines["final ver 4 (after the last step)"]
+    assert list(star.get_xdata()) == [12] and list(star.get_ydata()) == [4]
