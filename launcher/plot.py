@@ -1,9 +1,9 @@
 """``python -m launcher.plot RUN_DIR``: turn a run's metrics.jsonl into PNGs.
 
-One overview figure (``run.png``) with eight panels: losses; cumulative A/B steps and skips; queue
-depth; ver and ver lag (with the final ver, pushed after the last step); pack fill; learner busy fraction; rollout P/R/F1 of the B steps (from their
-counts); validation quality (the evaluation records: F1@0.5, mAP, mAP@.5, parse failures). The step
-panels read step records only. Needs matplotlib (Agg backend, headless).
+One overview figure (``run.png``) with eight panels: losses; cumulative A/B steps and skips; queue depth; ver
+and ver lag (with the final ver, pushed after the last step); pack fill; learner busy fraction; rollout P/R/F1
+of the B steps (from their counts); validation quality (the evaluation records: F1@0.5, mAP, mAP@.5, parse
+failures). The step panels read step records only. Needs matplotlib (Agg backend, headless).
 """
 
 from __future__ import annotations
