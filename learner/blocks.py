@@ -89,8 +89,8 @@ def set_checkpointing(model: torch.nn.Module, every: int) -> int:
 
 
 def checkpointed(model: torch.nn.Module) -> list[bool]:
-    """Which layers recompute in backward, in module order."""
-    return [block_forward(layer).checkpoint for layer in layers(model)]
+    """Which layers recompute in backward, in module order (a question: installs nothing)."""
+    return [isinstance(bf := layer.__dict__.get("forward"), BlockForward) and bf.checkpoint for layer in layers(model)]
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
@@ -106,11 +106,13 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     if not found:
         raise ValueError(f"training.compile: blocks found no vision blocks or decoder layers in "
                          f"{type(model).__name__}. Fix: set training.compile: none for this model")
-    compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+    compiled: dict[Callable[..., Any], Callable[..., Any]] = {}  # one wrapper per layer class
     for layer in found:
         bf = block_forward(layer)
         if not is_compiled(bf.fn):
-            bf.fn = compiled.setdefault(bf.fn, torch.compile(bf.fn, backend=backend))
+            if bf.fn not in compiled:
+                compiled[bf.fn] = torch.compile(bf.fn, backend=backend)
+            bf.fn = compiled[bf.fn]
     return len(found)
 
 
