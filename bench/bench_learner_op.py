@@ -151,11 +151,12 @@ def step(model, pack, attn: str, loss_head: str, optimizer, scheduler, coord_ids
     wall = time.perf_counter() - t0
     m = marks.s
     lm_bwd_from = "loss_b1" if loss_head == "plain" else "loss_f1"
+    vis_b0 = "vis_b0" if "vis_b0" in marks.at else "bwd"  # a frozen vision tower has no backward
     return {
         "step_s": wall, "tokens": inputs.n_tokens, "loss": terms.total,
         "inputs_s": m("start", "inputs"),
-        "vision_s": m("vis_f0", "vis_f1") + m("vis_b0", "bwd"),
-        "lm_s": m("inputs", "vis_f0") + m("vis_f1", "lm_f1") + m(lm_bwd_from, "vis_b0"),
+        "vision_s": m("vis_f0", "vis_f1") + m(vis_b0, "bwd"),
+        "lm_s": m("inputs", "vis_f0") + m("vis_f1", "lm_f1") + m(lm_bwd_from, vis_b0),
         "loss_s": m("lm_f1", "loss_f1") + m("loss_f1", "loss_b1") if loss_head == "plain" else None,
         "optimizer_s": m("bwd", "end"),
     }
@@ -253,6 +254,16 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
     }
 
 
+def apply_bench_recipe(model, recipe: str) -> dict[str, int]:
+    """The learner's own recipe code (learner/recipe.py) on the bench's model; trainable parameters per group."""
+    from common.config.recipe import AdapterConfig
+    from learner.recipe import apply_recipe
+
+    freeze, adapter = RECIPES[recipe]
+    adapter = AdapterConfig(type=adapter, rank=16, alpha=32.0) if adapter else None
+    return apply_recipe(model, argparse.Namespace(freeze=freeze, adapter=adapter))
+
+
 def is_main_rank() -> bool:
     """Rank 0 (or no torchrun): the one that prints, writes --out and the profiler's tables."""
     return os.environ.get("RANK", "0") == "0"
@@ -270,6 +281,8 @@ def device_name(device) -> str:
 
 
 ATTN_ROWS = ("sdpa", "varlen-vision", "varlen")
+#: --recipe -> (model.freeze, model.adapter type): the model is built once a call, so one recipe a call
+RECIPES = {"full": ([], None), "freeze-vision": (["vision"], None), "lora": ([], "lora"), "dora": ([], "dora")}
 ROW_FLAGS = ("chunked", "compile", "ckpt0", "ckpt2", "ckpt3", "ckpt4")  # ckptN: recompute every Nth layer (0: none)
 
 
@@ -287,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write every row (and the setup) to this JSON file")
     ap.add_argument("--work", default=None,
                     help="keep the rendered records here for the next call (default: a temp dir)")
+    ap.add_argument("--recipe", choices=tuple(RECIPES), default="full",
+                    help="what trains: full (every weight), freeze-vision (model.freeze: [vision]), lora / dora "
+                         "(model.adapter rank 16, alpha 32, all-linear: the users' adapter recipe)")
     ap.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp", help="the wrap under torchrun (default fsdp)")
     ap.add_argument("--keep-unsharded", action="store_true",
                     help="FSDP2: learner.fsdp.reshard_after_forward false (blocks stay gathered until their backward)")
@@ -343,7 +359,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(path, device, dtype)
-    lm_params = non_embedding_lm_params(model)
+    lm_params = non_embedding_lm_params(model)  # before the adapter: the MFU's base is the model, not its adapter
+    trainable = apply_bench_recipe(model, args.recipe)
     trained = model
     if dist is not None:
         from common.config.learner import FsdpConfig
@@ -368,7 +385,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
              "pack_images": [sum(len(s.image_grid_thw) for s in p.segments) for p in packs],
              "peak_tflops": round(peak_tflops, 3), "dtype": str(dtype).removeprefix("torch."),
              "torch": torch.__version__, "prep_s": round(prep_s, 1), "gradient_checkpointing": True,
-             "ranks": world, "parallel": args.parallel if world > 1 else None, "keep_unsharded": args.keep_unsharded}
+             "ranks": world, "parallel": args.parallel if world > 1 else None, "keep_unsharded": args.keep_unsharded,
+             "recipe": args.recipe, "trainable_params": trainable}
     if main_rank:
         print(json.dumps({"setup": setup}), flush=True)
     rows = []

@@ -38,6 +38,26 @@ def test_the_operating_point_bench_prints_one_json_line_per_row_with_its_split(t
         assert all(math.isfinite(x) for x in r["losses"]), r
 
 
+@pytest.mark.parametrize("recipe", ["freeze-vision", "lora"])
+def test_the_users_recipes_train_what_they_name_and_keep_the_split(tmp_path, recipe):
+    """--recipe runs the learner's own recipe code: a frozen vision tower has no backward in the split (its
+    forward stays), an adapter trains a small share of the weights while MFU keeps the model's LM as its base."""
+    proc = subprocess.run([sys.executable, "bench/bench_learner_op.py", "--quick", "--recipe", recipe, "--rows",
+                           "varlen+chunked"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    setup, row = lines[0]["setup"], lines[1]
+    trainable = setup["trainable_params"]
+    assert setup["recipe"] == recipe
+    if recipe == "freeze-vision":
+        assert trainable["vision"] == 0 and trainable["llm"] > 0 and trainable["merger"] > 0, trainable
+    else:  # rank-16 adapters everywhere: far fewer trained weights than the LM's own
+        assert 0 < sum(trainable.values()) < 0.5 * setup["lm_params_non_embedding"], trainable
+        assert trainable["vision"] > 0, "all-linear adapts the vision tower too"
+    assert row["vision_s"] > 0 and row["lm_s"] > 0 and row["tokens_per_s"] > 0 and row["mfu"] > 0, row
+    assert all(math.isfinite(x) for x in row["losses"]), row
+
+
 def test_a_bad_row_flag_is_refused_naming_the_option():
     bad = subprocess.run([sys.executable, "bench/bench_learner_op.py", "--quick", "--rows", "varlen+ckpt9"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
