@@ -30,7 +30,10 @@
 # WS_FROM (a warm start folder an earlier STAGE=warm call left, e.g. /tmp/gpu-quality-seeds/det: this warm stage
 # continues from its weights with a fresh AdamW and lr schedule, on the same data when N_TRAIN matches),
 # WS_CURRICULUM (empty; e.g. 800:3:0.25/0.6,800:10:0.12/0.35: warm-start stages on easier scenes of the same size
-# before the crowded one, STEPS:MAX_OBJECTS:LOW/HIGH each), TOTAL_S (470: the benchmark's deadline is what is left of it, so
+# before the crowded one, STEPS:MAX_OBJECTS:LOW/HIGH each), TASK (the scenes the warm start ends on and the arms train
+# and are scored on: crowded, 10..40 small shapes (common/data/synthetic.py --crowded); dense, 1..10 shapes of 12-35 %
+# of the side, the density the tiny preset reached F1 0.10 on after 4,200 GPU steps of 16 from its easy-scene
+# detector, docs/benchmarks.md section 21), WORK (/tmp/gpu-quality-seeds), TOTAL_S (470: the benchmark's deadline is what is left of it, so
 # results come back in time), OUT.
 # Without CUDA the runs go to the CPU (the slots are then port sets only): the smoke test of this script.
 # Every stage runs under a deadline and quality.json is rewritten after every run, so a slow stage still
@@ -62,9 +65,15 @@ WS_CURRICULUM=${WS_CURRICULUM:-}
 TOTAL_S=${TOTAL_S:-470}
 OUT=${OUT:-runs/gpu-quality-seeds}
 CONFIG=configs/gpu/quality_crowded_1gpu.yaml
-WORK=/tmp/gpu-quality-seeds                  # model, warm start, run directories (not all of it comes back)
-BASE=$WORK/model DET=$WORK/det DATA=$WORK/data/crowded
+TASK=${TASK:-crowded}
+WORK=${WORK:-/tmp/gpu-quality-seeds}         # model, warm start, run directories (not all of it comes back)
+BASE=$WORK/model DET=$WORK/det DATA=$WORK/data/$TASK
 case $STAGE in all|warm|bench) ;; *) echo "STAGE=$STAGE: one of all, warm, bench" >&2; exit 2;; esac
+case $TASK in
+  crowded) TASK_ARGS=(--crowded) ;;
+  dense) TASK_ARGS=(--max-objects 10 --size-range 0.12/0.35) ;;
+  *) echo "TASK=$TASK: one of crowded (10..40 small shapes), dense (1..10 shapes of 12-35 % of the side)" >&2; exit 2;;
+esac
 for spec in ${WS_CURRICULUM//,/ }; do  # every knob checked before the first stage spends a minute
   [[ "$spec" =~ ^[0-9]+:[0-9]+:[0-9.]+/[0-9.]+$ ]] || { echo "WS_CURRICULUM stage '$spec': not" \
       "STEPS:MAX_OBJECTS:LOW/HIGH. Fix: e.g. WS_CURRICULUM=800:3:0.25/0.6,800:10:0.12/0.35" >&2; exit 2; }
@@ -140,7 +149,7 @@ stage model 120 python3 tools/make_tiny_model.py --preset "$PRESET" --max-pixels
 if [ -n "$WS_FROM" ] && [ "$(wc -l < "$DATA/train.jsonl" 2>/dev/null)" = "$N_TRAIN" ]; then
   ts "data: $DATA holds $N_TRAIN training records (an earlier call's; WS_FROM continues on them)"
 else
-  stage data 240 python3 -m common.data.synthetic --crowded ${SIDES:+--sides "$SIDES"} --out "$DATA" --split "$N_TRAIN/64" \
+  stage data 240 python3 -m common.data.synthetic "${TASK_ARGS[@]}" ${SIDES:+--sides "$SIDES"} --out "$DATA" --split "$N_TRAIN/64" \
       --seed 0 || exit 1
 fi
 START=$BASE

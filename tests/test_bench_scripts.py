@@ -434,6 +434,7 @@ def test_the_overload_soak_quick_run_balances_its_books_and_the_actor_exits_on_t
     ({"STAGE": "warm", "WS_CURRICULUM": "800:3:0.25/0.6,800:x"}, "WS_CURRICULUM stage '800:x': not STEPS:MAX_OBJECTS"),
     ({"STAGE": "warm", "WS_FROM": "/nonexistent/det"}, "WS_FROM=/nonexistent/det: no config.json there. Fix:"),
     ({"STAGE": "later"}, "STAGE=later: one of all, warm, bench"),
+    ({"STAGE": "warm", "TASK": "sparse"}, "TASK=sparse: one of crowded"),
 ])
 def test_the_gpu_quality_script_refuses_a_bad_knob_before_any_stage_runs(tmp_path, env, says):
     out = tmp_path / "out"
@@ -441,3 +442,39 @@ def test_the_gpu_quality_script_refuses_a_bad_knob_before_any_stage_runs(tmp_pat
                        timeout=60, env={**os.environ, **env, "OUT": str(out)})
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert not out.exists(), "refused before the first stage: no output folder, no stale warm start copied into it"
+
+
+def test_the_gpu_quality_script_draws_the_task_it_is_given(tmp_path):
+    """TASK=dense: the warm start's data (and so the arms') are 1..10 shapes of 12-35 % of the side, under WORK. The
+    script is stopped once its data stage has drawn them (the warm start after it runs for minutes on a CPU)."""
+    import signal
+    import time
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    env = {**os.environ, "STAGE": "warm", "TASK": "dense", "SIDES": "112", "N_TRAIN": "6", "VAL_IMAGES": "4",
+           "WORK": str(work), "OUT": str(out), "TOTAL_S": "120"}
+    proc = subprocess.Popen(["bash", str(REPO / "bench/gpu_quality_seeds.sh")], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    manifest = work / "data" / "dense" / "manifest.json"
+    try:
+        deadline = time.monotonic() + 150
+        while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert manifest.exists(), (out / "log.txt").read_text()[-3000:] if (out / "log.txt").exists() else "no log"
+    finally:  # every process of the script's session (its `timeout` stages run in process groups of their own),
+        for _ in range(20):  # again until none is left: the script may start the next stage meanwhile
+            ps = subprocess.run(["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True).stdout.split()
+            left = [int(p) for p, sid in zip(ps[::2], ps[1::2]) if int(sid) == proc.pid]
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+        proc.wait(timeout=30)
+    time.sleep(0.5)  # the manifest is written last
+    params = json.loads(manifest.read_text())["params"]
+    assert (params["max_objects"], params["size_range"], params["sides"]) == (10, [0.12, 0.35], [112]), params
+    assert params["n_train"] == 6 and not (work / "data" / "crowded").exists()
