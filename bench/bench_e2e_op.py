@@ -87,7 +87,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     out = work / "run"
     argv = [sys.executable, "-m", "launcher", "--config", args.config, f"model.path={model}",
             f"data.train_jsonl={train}", "data.val_jsonl=null", f"data.image_root={train.parent}",
-            f"training.max_steps={args.steps}", "training.save_every_steps=0", f"training.output_dir={out}",
+            f"training.max_steps={args.steps}", "training.save_every_steps=0", "training.save_final=false",
+            f"training.output_dir={out}",
             "training.overwrite=true", "run_name=bench-e2e-op", *overrides]
     log_path = work / "launcher.out"
     t1 = time.monotonic()
