@@ -12,14 +12,16 @@ share (its weights plus generate's cache), so it is not checked.
 The estimate for one learner rank, in bytes (P parameters, counted from the safetensors headers of
 ``model.path``; shapes from its ``config.json``; b bytes per element of ``model.dtype``, ``auto`` = bf16)::
 
-    weights, gradients, AdamW   4 P b      the learner trains in model.dtype, no fp32 master copy; AdamW's
-                                           exp_avg and exp_avg_sq are in the parameter dtype (learner/model.py)
-    DDP buckets                 P b        more than one rank: DDP's gradient buckets
+    weights, gradients, AdamW   (P + 3 P_t) b   the learner trains in model.dtype, no fp32 master copy; AdamW's
+                                           exp_avg and exp_avg_sq are in the parameter dtype (learner/model.py);
+                                           P_t = the parameters that train (all of them, unless model.freeze or
+                                           model.adapter say otherwise: launcher/budget_recipe.py)
+    DDP buckets                 P_t b      more than one rank: DDP's gradient buckets
     learner.parallel: fsdp (FSDP2, W = nnodes × nproc_per_node ranks; B = the largest block's parameters,
     R = the root's (embeddings, lm_head, norms, the vision tower's patch embedding and merger); p, r = bytes of
     learner.fsdp.param_dtype and reduce_dtype), instead of the three lines above:
-      weights, gradients, AdamW  4 P b / W  the shards; none on the GPU with learner.fsdp.cpu_offload (host memory)
-      unsharded gradients        P b       GA > 1 without cpu_offload: gradients accumulate unsharded until the
+      weights, gradients, AdamW  (P + 3 P_t) b / W  the shards; none on the GPU with learner.fsdp.cpu_offload
+      unsharded gradients        P_t b     GA > 1 without cpu_offload: gradients accumulate unsharded until the
                                            last micro-step's reduce-scatter (learner/parallel.py grad_sync)
       gathered parameters        (2 B + R) p   the block computing, the one prefetched, and the root (kept
                                            gathered through the step); P p with reshard_after_forward: false
@@ -66,7 +68,9 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
                       smaller than max_pixels hold fewer tokens: the estimate is then on the safe side
       measured against (docs/benchmarks.md sections 20 and 22; tests/test_gpu_budget.py): the 3b learner alone,
                       every layer / every 2nd / none checkpointed: 33.7 / 65.2 / 102.3 GiB estimated, 31.33 /
-                      65.19 / 102.23 measured; end to end, 3b beside vLLM 43.7 vs 43.02, 7b 1 + 1 72.0 vs 70.41
+                      65.19 / 102.23 measured; end to end, 3b beside vLLM 43.7 vs 43.02, 7b 1 + 1 72.0 vs 70.41,
+                      7b on 2 FSDP2 ranks beside 2 vLLM replicas 64.6 vs 66.0; the recipes (frozen vision tower,
+                      LoRA, DoRA): launcher/budget_recipe.py
     fixed                       1.5 GiB    CUDA context, cuBLAS workspaces, allocator slack (FIXED_BYTES)
 
 The server's share is ``gpu_memory_utilization`` × total (vLLM keeps its weights, activations, KV cache
@@ -98,6 +102,8 @@ from pathlib import Path
 
 from common.config.schema import Config
 from common.data import image_size
+from common.model.groups import group_of
+from launcher.budget_recipe import Trained, trained
 
 log = logging.getLogger("tandem.launcher")
 
@@ -130,12 +136,23 @@ class ModelShape:
     root_params: int = 0
     patch: int = 14
     max_pixels: int = 0  # the processor's (preprocessor_config.json); 0 = unknown: Qwen2-VL's default
+    vision_params: int = 0  # the vision tower's without its merger(s) (common/model/groups.py); 0 = unknown
+    merger_params: int = 0
 
     def image_tokens(self, max_pixels: int | None = None) -> int:
         """Image tokens of the largest image: ``max_pixels`` (data.max_pixels) or the model's own, over the
         merged patch's area."""
         pixels = max_pixels or self.max_pixels or image_size.DEFAULT_MAX_PIXELS
         return max(1, pixels // (self.patch * self.merge) ** 2)
+
+    def group_params(self) -> tuple[int, int]:
+        """(vision tower, merger) parameters: from the headers, else from the shapes (the blocks; a Qwen2.5-VL
+        merger: 4 h_v -> 4 h_v -> h)."""
+        if self.vision_params or self.merger_params or not self.vision_layers:
+            return self.vision_params, self.merger_params
+        hv = self.vision_hidden
+        return (self.vision_layers * (4 * hv ** 2 + 3 * hv * self.vision_intermediate),
+                16 * hv ** 2 + 4 * hv * self.hidden)
 
     def fsdp_units(self) -> tuple[int, int]:
         """(largest block, root) parameters: from the headers, else from the shapes (MHA, gated MLP: an upper
@@ -151,22 +168,28 @@ class ModelShape:
 _BLOCK = re.compile(r"^((?:.*\.)?(?:layers|blocks)\.\d+)\.")  # a decoder layer or a vision block: one FSDP2 unit
 
 
-def safetensors_param_groups(model_dir: Path) -> dict[str, int]:
-    """Elements per FSDP2 unit of ``model_dir/*.safetensors``, from the headers only: ``<prefix>.layers.<i>`` /
-    ``<prefix>.blocks.<i>`` per block, ``""`` for the rest (the root). Tied weights are stored once, as
-    ``parameters()`` counts them."""
+def safetensors_elements(model_dir: Path) -> dict[str, int]:
+    """Elements of every tensor of ``model_dir/*.safetensors`` by name, from the headers only. Tied weights are
+    stored once, as ``parameters()`` counts them."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    groups: dict[str, int] = {}
+    elements: dict[str, int] = {}
     for path in files:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
-        for k, v in header.items():
-            if k != "__metadata__":
-                unit = m.group(1) if (m := _BLOCK.match(k)) else ""
-                groups[unit] = groups.get(unit, 0) + math.prod(v["shape"])
+        elements.update((k, math.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    return elements
+
+
+def safetensors_param_groups(model_dir: Path) -> dict[str, int]:
+    """Elements per FSDP2 unit of ``model_dir/*.safetensors``: ``<prefix>.layers.<i>`` / ``<prefix>.blocks.<i>``
+    per block, ``""`` for the rest (the root)."""
+    groups: dict[str, int] = {}
+    for k, n in safetensors_elements(model_dir).items():
+        unit = m.group(1) if (m := _BLOCK.match(k)) else ""
+        groups[unit] = groups.get(unit, 0) + n
     return groups
 
 
@@ -185,6 +208,9 @@ def model_shape(model_dir: str | Path) -> ModelShape:
     v_hidden = int(vis.get("hidden_size") or vis.get("embed_dim") or 0)
     groups = safetensors_param_groups(model_dir)
     blocks = [n for unit, n in groups.items() if unit]
+    by_group: dict[str, int] = {}
+    for name, n in safetensors_elements(model_dir).items():
+        by_group[group_of(name)] = by_group.get(group_of(name), 0) + n
     pixels = image_size.model_pixels(model_dir)
     return ModelShape(
         num_params=sum(groups.values()), largest_block=max(blocks, default=0), root_params=groups.get("", 0),
@@ -193,7 +219,8 @@ def model_shape(model_dir: str | Path) -> ModelShape:
         vision_layers=int(vis.get("depth") or 0) if v_hidden else 0, vision_hidden=v_hidden,
         vision_intermediate=int(vis.get("intermediate_size") or v_hidden * vis.get("mlp_ratio", 4)),
         merge=int(vis.get("spatial_merge_size") or 2), patch=int(vis.get("patch_size") or 14),
-        max_pixels=pixels.max_pixels if pixels else 0)
+        max_pixels=pixels.max_pixels if pixels else 0, vision_params=by_group.get("vision", 0),
+        merger_params=by_group.get("merger", 0))
 
 
 def _layer_bytes(hidden: int, intermediate: int, b: int, compiled: bool) -> int:
@@ -222,45 +249,48 @@ def image_token_share(cfg: Config, shape: ModelShape) -> float:
     return n / (n + IMAGE_TEXT_TOKENS)
 
 
-def activation_bytes(cfg: Config, shape: ModelShape, b: int) -> tuple[float, float]:
-    """(at the end of the forward, during the vision tower's backward without the gradients): module docstring."""
+def activation_bytes(cfg: Config, shape: ModelShape, b: int, what: Trained | None = None) -> tuple[float, float]:
+    """(at the end of the forward, during the vision tower's backward without the gradients): module docstring;
+    ``what``: the recipe's (launcher/budget_recipe.py), computed when not given."""
+    what = what or trained(cfg, shape)
     t = cfg.training
     tokens, every = t.global_max_length, (t.gradient_checkpointing_every if t.gradient_checkpointing else 0)
     compiled = t.compile == "blocks"
     share = image_token_share(cfg, shape)
     patches = tokens * share * shape.merge ** 2
-    text_layer = _layer_bytes(shape.hidden, shape.intermediate, b, compiled)
-    vision_layer = _layer_bytes(shape.vision_hidden, shape.vision_intermediate, b, compiled)
+    text_layer = _layer_bytes(shape.hidden, shape.intermediate, b, compiled) + b * what.dora_text
+    vision_layer = _layer_bytes(shape.vision_hidden, shape.vision_intermediate, b, compiled) + b * what.dora_vision
     v_flags = _checkpointed(0, shape.vision_layers, every)
     t_flags = _checkpointed(shape.vision_layers, shape.layers, every)
-    vision = _stack_bytes(patches, v_flags, vision_layer, b, shape.vision_hidden)
+    vision = _stack_bytes(patches, v_flags, vision_layer, b, shape.vision_hidden) if what.vision else 0
     text = _stack_bytes(tokens, t_flags, text_layer, b, shape.hidden)
     inputs = b * 2 * shape.hidden * tokens  # the token embeddings
-    if shape.vision_layers:  # pixel values and the patch embedding; the merger's inputs, merge² patches an image token
-        inputs += b * ((6 * shape.patch ** 2 + 2 * shape.vision_hidden) * patches
-                       + 4 * shape.merge ** 2 * shape.vision_hidden * share * tokens)
+    if what.vision:  # pixel values and the patch embedding
+        inputs += b * (6 * shape.patch ** 2 + 2 * shape.vision_hidden) * patches
+    if what.merger:  # the merger's inputs, merge² patches an image token
+        inputs += b * 4 * shape.merge ** 2 * shape.vision_hidden * share * tokens
     forward_end = (vision + text + inputs + (tokens * text_layer if t_flags and t_flags[-1] else 0)
                    + _logits_bytes(t.loss_head, tokens, shape.vocab, b, share))
-    vision_backward = vision + inputs + (patches * vision_layer if any(v_flags) else 0)
+    vision_backward = vision + inputs + (patches * vision_layer if what.vision and any(v_flags) else 0)
     return forward_end, vision_backward
 
 
 def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
     """The learner rank's estimated GPU memory, term by term (bytes)."""
     b = DTYPE_BYTES[cfg.model.dtype]
-    p, lrn = shape.num_params, cfg.learner
+    p, lrn, what = shape.num_params, cfg.learner, trained(cfg, shape)
     world = lrn.nnodes * lrn.nproc_per_node
     if lrn.parallel == "fsdp":
-        terms = _fsdp_terms(cfg, shape, b, world)
+        terms = _fsdp_terms(cfg, shape, b, world, what.params)
     else:
-        terms = {"weights": p * b, "gradients": p * b, "AdamW state": 2 * p * b}
+        terms = {"weights": p * b, "gradients": what.params * b, "AdamW state": 2 * what.params * b}
         if world > 1:
-            terms["DDP buckets"] = p * b
+            terms["DDP buckets"] = what.params * b
     if cfg.weight_sync.mode == "overlap":
         terms["overlap snapshot"] = p * b
     if cfg.weight_sync.transport != "http":
         terms["sync chunk"] = cfg.weight_sync.bucket_mb << 20
-    forward_end, vision_backward = activation_bytes(cfg, shape, b)
+    forward_end, vision_backward = activation_bytes(cfg, shape, b, what)
     activations = forward_end
     grads = terms.get("gradients", terms.get("gradients (shard)"))
     if grads is not None and cfg.derived.gradient_accumulation_steps == 1:  # no gradients during the forward
@@ -278,7 +308,7 @@ def _logits_bytes(loss_head: str, tokens: int, vocab: int, b: int, share: float)
     return (1 - share) * tokens * vocab * (b + 8)
 
 
-def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int) -> dict[str, int]:
+def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int, trained_params: int) -> dict[str, int]:
     """The training-state terms of an FSDP2 rank (module docstring)."""
     f, p = cfg.learner.fsdp, shape.num_params
     pb = DTYPE_BYTES[f.param_dtype]  # auto = bf16 on CUDA (learner/parallel.py fsdp_dtype)
@@ -286,10 +316,10 @@ def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int) -> dict[str,
     block, root = shape.fsdp_units()
     terms: dict[str, int] = {}
     if not f.cpu_offload:
-        terms.update({"weights (shard)": p * b // world, "gradients (shard)": p * b // world,
-                      "AdamW state (shard)": 2 * p * b // world})
+        terms.update({"weights (shard)": p * b // world, "gradients (shard)": trained_params * b // world,
+                      "AdamW state (shard)": 2 * trained_params * b // world})
         if cfg.derived.gradient_accumulation_steps > 1:
-            terms["unsharded gradients"] = p * b
+            terms["unsharded gradients"] = trained_params * b
     terms["gathered parameters"] = (2 * block + root) * pb if f.reshard_after_forward else p * pb
     terms["unsharded block gradients"] = (block + root) * max(pb, rb)
     return terms

@@ -1,12 +1,8 @@
 """The training recipe on the policy: module groups, frozen modules, peft adapters, per-group AdamW settings,
 and the merged weights an adapter run syncs.
 
-Groups by parameter name (HF names; a peft adapter's own tensors live under the layer they adapt)::
-
-    model.visual.merger.* / model.visual.deepstack_merger_list.*   -> merger
-    model.visual.*                                                 -> vision
-    model.language_model.* / lm_head.*                             -> llm
-    anything else                                                  -> rest (trains at training.lr)
+Groups by parameter name (HF names: common/model/groups.py; a peft adapter's own tensors live under the layer they
+adapt, so they fall in that layer's group).
 
 Adapters are injected in place (``peft.inject_adapter_in_model``), not wrapped in a ``PeftModel``: the policy
 keeps its class, its ``model.visual`` / ``get_output_embeddings`` and the HF names of every base weight, so the
@@ -25,30 +21,9 @@ from typing import Any
 
 import torch
 
+from common.model.groups import GROUP_MODULE_REGEX, GROUP_ORDER, group_of  # noqa: F401  (group_of: re-exported)
+
 log = logging.getLogger(__name__)
-
-#: Order of the optimizer's parameter groups (``rest`` = parameters outside the three named groups).
-GROUP_ORDER = ("vision", "merger", "llm", "rest")
-_MERGER = re.compile(r"(^|\.)visual\.(merger|deepstack_merger_list)\.")
-_VISION = re.compile(r"(^|\.)visual\.")
-_LLM = re.compile(r"(^|\.)(language_model\.|lm_head\.)")
-#: peft module names a module group's layers match (``exclude_modules`` keeps a frozen group's layers plain).
-GROUP_MODULE_REGEX = {
-    "merger": r".*visual\.(merger|deepstack_merger_list)\..*",
-    "vision": r".*visual\.(?!merger\.|deepstack_merger_list\.).*",
-    "llm": r".*(language_model\..*|lm_head)",
-}
-
-
-def group_of(name: str) -> str:
-    """The module group of a parameter (or module) name: vision, merger, llm or rest."""
-    if _MERGER.search(name):
-        return "merger"
-    if _VISION.search(name):
-        return "vision"
-    if _LLM.search(name) or name.startswith("lm_head"):
-        return "llm"
-    return "rest"
 
 
 def apply_recipe(model: torch.nn.Module, model_cfg: Any) -> dict[str, int]:
