@@ -26,7 +26,8 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
       gathered parameters        (2 B + R) p   the block computing, the one prefetched, and the root (kept
                                            gathered through the step); P p with reshard_after_forward: false
       unsharded block gradients  (B + R) max(p, r)   one block's before its reduce-scatter, the root's to the end
-    overlap snapshot            P b        weight_sync.mode overlap: one more copy of the weights (learner/weight_sync/overlap.py)
+    overlap snapshot            P b        weight_sync.mode overlap: one more copy of the weights (learner/weight_sync/overlap.py);
+                                           under FSDP2 it is in rank 0's host memory (pinned), not counted here
     sync chunk                  bucket_mb  transports other than http pack chunks on the GPU
     activations                 what one packed forward of T = packing_length tokens (one pack per micro-step)
                                 keeps for backward, at the step's peak:
@@ -286,7 +287,7 @@ def learner_need(cfg: Config, shape: ModelShape) -> dict[str, int]:
         terms = {"weights": p * b, "gradients": what.params * b, "AdamW state": 2 * what.params * b}
         if world > 1:
             terms["DDP buckets"] = what.params * b
-    if cfg.weight_sync.mode == "overlap":
+    if cfg.weight_sync.mode == "overlap" and lrn.parallel != "fsdp":  # FSDP2's snapshot is on the host
         terms["overlap snapshot"] = p * b
     if cfg.weight_sync.transport != "http":
         terms["sync chunk"] = cfg.weight_sync.bucket_mb << 20

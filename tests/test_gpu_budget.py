@@ -214,6 +214,10 @@ def test_fsdp_divides_the_training_state_by_the_world_size_and_drops_ddps_bucket
     assert "DDP buckets" not in fsdp and "weights" not in fsdp
     assert fsdp["unsharded gradients"] == 2 * p  # GA 2: accumulated unsharded until the last micro-step
     assert sum(fsdp.values()) < sum(ddp.values())
+    overlap = G.learner_need(load_config(ONE_GPU, ["learner.parallel=fsdp", "learner.nproc_per_node=2",
+                                                   "learner.gpus=[0,1]"]), PRESET_05B)
+    assert "overlap snapshot" not in overlap, "FSDP2's overlap snapshot is in rank 0's host memory"
+    assert "overlap snapshot" in G.learner_need(load_config(ONE_GPU), PRESET_05B)
 
 
 def test_fsdp_with_cpu_offload_counts_only_the_gathered_blocks_their_gradients_and_activations():
@@ -251,7 +255,7 @@ BENCH_7B = replace(E2E_7B, max_pixels=1024 * 1024)  # bench_learner_op.py --pres
 # bench/bench_learner_op.py's step: one pack per optimizer step, no weight sync, no snapshot
 BENCH = ["training.gradient_accumulation_steps=1", "weight_sync.mode=blocking", "weight_sync.transport=http"]
 SPLIT_2P2 = ["rollout_server.gpus=[0,1]", "rollout_server.tensor_parallel_size=1", "learner.gpus=[2,3]",
-             "learner.nproc_per_node=2", "learner.parallel=fsdp"]
+             "learner.nproc_per_node=2", "learner.parallel=fsdp", "weight_sync.mode=blocking"]  # as it ran
 # bench/bench_learner_op.py --recipe freeze-vision / lora / dora
 FROZEN = ["model.freeze=[vision]"]
 LORA = ["model.adapter.type=lora", "model.adapter.rank=16", "model.adapter.alpha=32"]
@@ -268,10 +272,10 @@ EVERY_2ND, NO_CKPT = "training.gradient_checkpointing_every=2", "training.gradie
     # docs/benchmarks.md section 22: the learner's peak allocated end to end (H200), 3b beside vLLM on one GPU
     # (the config unchanged: overlap sync over IPC, GA 2, every layer checkpointed) ...
     ("3b beside vLLM, one GPU", OP_POINT, [], E2E_3B, 43.02),
-    # ... and the 7b split cut to 1 + 1 (a one-rank DDP learner on a GPU of its own, NCCL sync)
+    # ... and the 7b split cut to 1 + 1 (a one-rank DDP learner on a GPU of its own, NCCL sync, blocking as it ran)
     ("7b learner of the 1 + 1 split", OP_POINT_7B, ["rollout_server.gpus=[0]", "rollout_server.tensor_parallel_size=1",
                                                    "learner.gpus=[1]", "learner.nproc_per_node=1",
-                                                   "learner.parallel=ddp"], E2E_7B, 70.41),
+                                                   "learner.parallel=ddp", "weight_sync.mode=blocking"], E2E_7B, 70.41),
     # docs/benchmarks.md section 20, the 7b learner bench on 2 FSDP2 ranks (2 x H100, eager, every layer
     # checkpointed, one pack a step): the larger rank's max_memory_allocated
     ("7b on 2 FSDP2 ranks, eager", OP_POINT_7B, [*BENCH, "training.compile=none"], BENCH_7B, 41.0),
