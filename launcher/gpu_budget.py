@@ -21,8 +21,9 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
     R = the root's (embeddings, lm_head, norms, the vision tower's patch embedding and merger); p, r = bytes of
     learner.fsdp.param_dtype and reduce_dtype), instead of the three lines above:
       weights, gradients, AdamW  (P + 3 P_t) b / W  the shards; none on the GPU with learner.fsdp.cpu_offload
-      unsharded gradients        P_t b     GA > 1 without cpu_offload: gradients accumulate unsharded until the
-                                           last micro-step's reduce-scatter (learner/parallel.py grad_sync)
+      unsharded gradients        P_t b     GA > 1 without cpu_offload or reduce_every_micro_step: gradients
+                                           accumulate unsharded until the last micro-step's reduce-scatter
+                                           (learner/parallel.py grad_sync)
       gathered parameters        (2 B + R) p   the block computing, the one prefetched, and the root (kept
                                            gathered through the step); P p with reshard_after_forward: false
       unsharded block gradients  (B + R) max(p, r)   one block's before its reduce-scatter, the root's to the end
@@ -319,7 +320,7 @@ def _fsdp_terms(cfg: Config, shape: ModelShape, b: int, world: int, trained_para
     if not f.cpu_offload:
         terms.update({"weights (shard)": p * b // world, "gradients (shard)": trained_params * b // world,
                       "AdamW state (shard)": 2 * trained_params * b // world})
-        if cfg.derived.gradient_accumulation_steps > 1:
+        if cfg.derived.gradient_accumulation_steps > 1 and not f.reduce_every_micro_step:
             terms["unsharded gradients"] = trained_params * b
     terms["gathered parameters"] = (2 * block + root) * pb if f.reshard_after_forward else p * pb
     terms["unsharded block gradients"] = (block + root) * max(pb, rb)

@@ -42,8 +42,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: FSDP2 roots wrapped with cpu_offload: gradients reduce-scatter (to host memory) after every micro-step,
-#: since skipping the reduction would accumulate unsharded gradients of every block on the GPU.
+#: FSDP2 roots wrapped with cpu_offload or reduce_every_micro_step: gradients reduce-scatter (to host memory with
+#: cpu_offload) after every micro-step, since skipping the reduction accumulates unsharded gradients of every block
+#: on the GPU.
 _REDUCE_EVERY_MICRO_STEP: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
@@ -125,10 +126,11 @@ def wrap(model: torch.nn.Module, learner_cfg: Any, device: torch.device, world_s
         for block in sharded_blocks(model):
             fully_shard(block, **block_kw)
         fully_shard(model, **kw)
-        if f.cpu_offload:
+        if f.cpu_offload or f.reduce_every_micro_step:
             _REDUCE_EVERY_MICRO_STEP.add(model)
-        log.info("FSDP2: %d blocks + root sharded over %d rank(s) (param %s, reduce %s, cpu_offload %s)",
-                 len(sharded_blocks(model)), world_size, kw["mp_policy"].param_dtype, f.reduce_dtype, f.cpu_offload)
+        log.info("FSDP2: %d blocks + root sharded over %d rank(s) (param %s, reduce %s, cpu_offload %s, reduce every "
+                 "micro-step %s)", len(sharded_blocks(model)), world_size, kw["mp_policy"].param_dtype, f.reduce_dtype,
+                 f.cpu_offload, model in _REDUCE_EVERY_MICRO_STEP)
         return model
     if world_size == 1:
         return model

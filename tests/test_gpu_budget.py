@@ -214,6 +214,10 @@ def test_fsdp_divides_the_training_state_by_the_world_size_and_drops_ddps_bucket
     assert "DDP buckets" not in fsdp and "weights" not in fsdp
     assert fsdp["unsharded gradients"] == 2 * p  # GA 2: accumulated unsharded until the last micro-step
     assert sum(fsdp.values()) < sum(ddp.values())
+    every = G.learner_need(load_config(ONE_GPU, ["weight_sync.mode=blocking", "learner.parallel=fsdp",
+                                                 "learner.nproc_per_node=2", "learner.gpus=[0,1]",
+                                                 "learner.fsdp.reduce_every_micro_step=true"]), PRESET_05B)
+    assert "unsharded gradients" not in every and sum(fsdp.values()) - sum(every.values()) == 2 * p
     overlap = G.learner_need(load_config(ONE_GPU, ["learner.parallel=fsdp", "learner.nproc_per_node=2",
                                                    "learner.gpus=[0,1]"]), PRESET_05B)
     assert "overlap snapshot" not in overlap, "FSDP2's overlap snapshot is in rank 0's host memory"

@@ -1,11 +1,12 @@
 """``learner.parallel: fsdp`` (FSDP2) against DDP on real gloo ranks over loopback, the tiny Qwen2.5-VL on CPU.
 
-Four training runs of the real :class:`learner.rank.Learner` (the async mode's ``async_step``), launched
+Five training runs of the real :class:`learner.rank.Learner` (the async mode's ``async_step``), launched
 as users launch ranks (``torchrun --standalone``; plain ``python`` for one rank) with this file as the rank
 script, each rank writing its own result file and rank 0 the full weights::
 
     ddp  × 2 ranks                      \\  same seed, same A data, the same B packs (one fake actor per rank,
-    fsdp × 2 ranks (+ grad checkpointing) /  pack_wait_s long enough that B runs at steps 1 and 3 in both)
+    fsdp × 2 ranks (+ grad checkpointing) |  pack_wait_s long enough that B runs at steps 1 and 3 in all three)
+    fsdp × 2 ranks, reduce every micro-step /
     ddp  × 1 rank (the plain model)     \\  same seed, same data
     fsdp × 1 rank, cpu_offload          /
 
@@ -52,6 +53,7 @@ if __name__ == "__main__":  # run as a rank script by torchrun: import from the 
 
 import pytest
 
+from common.config.learner import FsdpConfig
 from tests.spawned_ranks import run_ranks
 
 STEPS, GA = 5, 2
@@ -156,7 +158,7 @@ class _Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir, synth_data_dir) -> dict[str, dict]:
-    """The four runs of the module docstring, all at once (each waits on nothing but its own ranks and actors)."""
+    """The five runs of the module docstring, all at once (each waits on nothing but its own ranks and actors)."""
     from tests.test_learner_harness import SegmentPool, private_copy
 
     tmp = tmp_path_factory.mktemp("fsdp")
@@ -167,6 +169,7 @@ def runs(tmp_path_factory, tiny_model_dir, synth_data_dir) -> dict[str, dict]:
         _Run(tmp, "fsdp2", 2, model, data, pool, parallel="fsdp", checkpointing=True),
         _Run(tmp, "ddp1", 1, model, data, None, parallel="ddp"),
         _Run(tmp, "fsdp1", 1, model, data, None, parallel="fsdp", fsdp={"cpu_offload": True}),
+        _Run(tmp, "fsdp2r", 2, model, data, pool, parallel="fsdp", fsdp={"reduce_every_micro_step": True}),
     ]
     deadline = time.monotonic() + JOIN_DEADLINE_S
     try:
@@ -203,6 +206,18 @@ def test_fsdp_on_two_ranks_follows_ddps_loss_curve_over_a_and_b_steps(runs):
 
 
 @pytest.mark.slow
+def test_reducing_after_every_micro_step_trains_as_reducing_once_a_step(runs):
+    """learner.fsdp.reduce_every_micro_step: gradients reduce-scattered after each of the GA micro-steps and summed
+    sharded give DDP's loss curve and weights (the memory it saves is counted in tests/test_gpu_budget.py)."""
+    ddp, every = runs["ddp2"], runs["fsdp2r"]
+    assert [r["fsdp_params"] > 0 for r in every["ranks"]] == [True, True]
+    for step, (a, b) in enumerate(zip(_losses(ddp), _losses(every))):
+        assert b == pytest.approx(a, rel=1e-5), f"step {step}: ddp {a} vs fsdp reducing every micro-step {b}"
+    assert _max_weight_diff(ddp["weights"], every["weights"]) < 1e-4
+    assert "reduce every micro-step True" in (every["run_dir"].parent / "learner.log").read_text()
+
+
+@pytest.mark.slow
 def test_fsdp_on_two_ranks_ends_at_ddps_weights(runs):
     ddp, fsdp = runs["ddp2"]["weights"], runs["fsdp2"]["weights"]
     assert _max_weight_diff(ddp, fsdp) < 1e-4
@@ -225,7 +240,7 @@ def test_every_step_record_carries_each_ranks_peak_memory_and_the_engine(runs):
             assert len(by_rank) == len(run["ranks"]) and all(0.05 < g < 64 for g in by_rank), (name, by_rank)
             assert rec["mem/peak_rss_gb"] == max(by_rank)
             assert "mem/peak_allocated_gb" not in rec  # a CPU learner: no CUDA allocator keys
-            assert rec["learner/parallel"] == name[:-1]
+            assert rec["learner/parallel"] == name.removesuffix("r")[:-1]  # ddp2, fsdp1, fsdp2r ...
             assert rec["time/step"] > rec["time/optimizer_step"] > 0  # the AdamW step is timed on its own
 
 
@@ -314,8 +329,7 @@ def _grad_rank(rank: int, port: int, model_dir: str, out: str) -> None:
                 model.train()
                 assert set_checkpointing(model, 1) > 0 and compile_blocks(model, backend="eager") > 0
             seg = image_segment(model, tokenizer, coord_ids, seed=rank + 1, n_images=1 - rank, n_text=20, n_boxes=1)
-            fsdp_cfg = SimpleNamespace(param_dtype="auto", reduce_dtype="float32", reshard_after_forward=True,
-                                       cpu_offload=False)
+            fsdp_cfg = FsdpConfig(param_dtype="auto")  # the defaults but param_dtype
             wrapped = parallel.wrap(model, SimpleNamespace(parallel=engine.split("+")[0], fsdp=fsdp_cfg), cpu, 2, rank)
             inputs = pack_inputs(Pack(ver=0, channel="B", segments=[seg]).tensors(), "sdpa", torch.float32, cpu)
             terms = pack_loss(forward_rows(wrapped, inputs), inputs.rows, torch.tensor(coord_ids),
@@ -399,8 +413,7 @@ def _block_dtypes_rank(model_dir: str, out: str) -> None:
         model.train()  # checkpointing recomputes in training mode only
         assert set_checkpointing(model, 1) > 0
         seg = image_segment(model, tokenizer, coord_ids, seed=3, n_images=1, n_text=20, n_boxes=1)
-        fsdp_cfg = SimpleNamespace(param_dtype="bfloat16", reduce_dtype="float32", reshard_after_forward=True,
-                                   cpu_offload=False)
+        fsdp_cfg = FsdpConfig(param_dtype="bfloat16")  # the defaults but param_dtype
         wrapped = parallel.wrap(model, SimpleNamespace(parallel="fsdp", fsdp=fsdp_cfg), cpu, 1, 0)
         seen: dict[str, list[list[str]]] = {}
 

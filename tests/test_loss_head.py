@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.config.learner import FsdpConfig
 from learner.loss import (
     IGNORE_INDEX,
     NUM_COORD_BINS,
@@ -299,8 +300,7 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
         model_cfg = SimpleNamespace(path=model_dir, dtype="float32", attn_implementation="sdpa", coord_tokens=True)
         model, tokenizer, coord_ids = load_policy(model_cfg, CPU)
         inputs = pack_of(model, tokenizer, coord_ids, seeds=(21 + rank, 23 + rank), images=(1, 0))
-        fsdp_cfg = SimpleNamespace(param_dtype="auto", reduce_dtype="float32", reshard_after_forward=True,
-                                   cpu_offload=False)
+        fsdp_cfg = FsdpConfig(param_dtype="auto")  # the defaults but param_dtype
         wrapped = parallel.wrap(model, SimpleNamespace(parallel="fsdp", fsdp=fsdp_cfg), CPU, 2, rank)
         norm = Normaliser(ce_tokens=60, boxes=4, scale=2.0)
         grads: dict[str, Any] = {}

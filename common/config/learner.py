@@ -30,6 +30,12 @@ class FsdpConfig:
         "Keep the sharded parameters, gradients and AdamW state in host memory and run the optimizer step on the "
         "CPU (FSDP2 CPUOffloadPolicy): a 7B full fine-tune fits one 80 GB GPU beside a vLLM server. Costs host "
         "memory (~8 bytes per parameter in bf16) and step time (the CPU AdamW step, host-device copies).", False)
+    reduce_every_micro_step: bool = doc(
+        "With gradient accumulation (GA > 1): reduce-scatter the gradients after every micro-step and accumulate "
+        "them sharded, instead of keeping them unsharded on every rank until the last micro-step's reduce-scatter. "
+        "Saves the model's size in gradients on each rank (7B in bf16: 16.6 GB; the 2-rank 7b run peaked at 66.0 "
+        "GiB a rank with GA 2 against 39.4 with one pack a step, docs/benchmarks.md section 22) for one more "
+        "reduce-scatter per micro-step. Always so with cpu_offload. The launcher's estimate counts it.", False)
 
 
 @dataclass

@@ -124,14 +124,19 @@ class NcclWeightSender(PushSender):
         self.groups_created = 0
 
     def close(self) -> None:
-        self._drop_group("sender closed")
+        self._drop_group(None)
         super().close()
 
-    def _drop_group(self, why: str) -> None:
+    def _drop_group(self, why: str | None) -> None:
+        """Abort the group; ``why``: the failure that broke it (a warning: the next push builds a new one), or None
+        when the sender closes at the run's end (nothing went wrong: info)."""
         group, self._group, self._rendezvous = self._group, None, None
         if group is not None:
-            log.warning("dropping the weight-transfer group with %s (%s); the next push builds a new one",
-                        self.base_url, why)
+            if why is None:
+                log.info("closing the weight-transfer group with %s (the sender closed)", self.base_url)
+            else:
+                log.warning("dropping the weight-transfer group with %s (%s); the next push builds a new one",
+                            self.base_url, why)
             try:
                 group.abort()
             except Exception as exc:  # noqa: BLE001 - best effort on a broken communicator
