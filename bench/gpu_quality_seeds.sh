@@ -146,7 +146,7 @@ trap collect EXIT
 DATA_KEYS=(data.train_jsonl="$DATA/train.jsonl" data.val_jsonl="$DATA/val.jsonl")
 if [ "$STAGE" != bench ]; then
 stage model 120 python3 tools/make_tiny_model.py --preset "$PRESET" --max-pixels "$MAX_PIXELS" --out "$BASE" || exit 1
-if [ -n "$WS_FROM" ] && [ "$(wc -l < "$DATA/train.jsonl" 2>/dev/null)" = "$N_TRAIN" ]; then
+if [ -n "$WS_FROM" ] && [ -f "$DATA/train.jsonl" ] && [ "$(wc -l < "$DATA/train.jsonl")" = "$N_TRAIN" ]; then
   ts "data: $DATA holds $N_TRAIN training records (an earlier call's; WS_FROM continues on them)"
 else
   stage data 240 python3 -m common.data.synthetic "${TASK_ARGS[@]}" ${SIDES:+--sides "$SIDES"} --out "$DATA" --split "$N_TRAIN/64" \

@@ -185,19 +185,22 @@ def safetensors_elements(model_dir: Path) -> dict[str, int]:
     return elements
 
 
-def safetensors_param_groups(model_dir: Path) -> dict[str, int]:
-    """Elements per FSDP2 unit of ``model_dir/*.safetensors``: ``<prefix>.layers.<i>`` / ``<prefix>.blocks.<i>``
-    per block, ``""`` for the rest (the root)."""
-    groups: dict[str, int] = {}
-    for k, n in safetensors_elements(model_dir).items():
-        unit = m.group(1) if (m := _BLOCK.match(k)) else ""
-        groups[unit] = groups.get(unit, 0) + n
-    return groups
+def _summed(elements: dict[str, int], key) -> dict[str, int]:
+    """Elements summed by ``key(name)``."""
+    out: dict[str, int] = {}
+    for name, n in elements.items():
+        out[key(name)] = out.get(key(name), 0) + n
+    return out
+
+
+def fsdp_unit(name: str) -> str:
+    """A tensor's FSDP2 unit: ``<prefix>.layers.<i>`` / ``<prefix>.blocks.<i>`` for a block, ``""`` for the root."""
+    return m.group(1) if (m := _BLOCK.match(name)) else ""
 
 
 def safetensors_param_count(model_dir: Path) -> int:
     """Elements of every tensor in ``model_dir/*.safetensors`` (headers only)."""
-    return sum(safetensors_param_groups(model_dir).values())
+    return sum(safetensors_elements(model_dir).values())
 
 
 def model_shape(model_dir: str | Path) -> ModelShape:
@@ -208,11 +211,9 @@ def model_shape(model_dir: str | Path) -> ModelShape:
     vis = cfg.get("vision_config") or {}
     hidden = int(text["hidden_size"])
     v_hidden = int(vis.get("hidden_size") or vis.get("embed_dim") or 0)
-    groups = safetensors_param_groups(model_dir)
+    elements = safetensors_elements(model_dir)
+    groups, by_group = _summed(elements, fsdp_unit), _summed(elements, group_of)
     blocks = [n for unit, n in groups.items() if unit]
-    by_group: dict[str, int] = {}
-    for name, n in safetensors_elements(model_dir).items():
-        by_group[group_of(name)] = by_group.get(group_of(name), 0) + n
     pixels = image_size.model_pixels(model_dir)
     return ModelShape(
         num_params=sum(groups.values()), largest_block=max(blocks, default=0), root_params=groups.get("", 0),
