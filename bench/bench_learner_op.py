@@ -26,8 +26,8 @@ with the config's defaults), compiled before the wrap as the learner does, so th
 ``+compile`` setting. A step's tokens/s is all ranks' tokens over the slowest rank's step; MFU divides by
 world × the peak; ``peak_gib`` is the largest rank's; the split and the profile are rank 0's.
 
-Fields: ``tokens_per_s`` (median over ``--steps``), ``mfu`` = 6 × non-embedding LM parameters × tokens/s ÷
-``peak_tflops``, the bf16 (CPU: model dtype) matmul rate measured here on an 8192³ product; ``peak_gib``
+Fields: ``tokens_per_s`` (median over the ``--steps`` in which no rank compiled a graph: ``steps_measured``),
+``mfu`` = 6 × non-embedding LM parameters × tokens/s ÷ ``peak_tflops``, the bf16 (CPU: model dtype) matmul rate measured here on an 8192³ product; ``peak_gib``
 (max allocated over the timed steps); the split ``inputs_s / vision_s / lm_s / loss_s / optimizer_s``
 (medians; forward + backward each, read from device events at the vision tower's forward hooks, the
 gradient hooks on its output and on the logits: so the LM's share includes the head's projection, and
@@ -213,8 +213,10 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
 
     def one(i: int) -> dict:
         marks[0] = Marks(device)
-        return step(trained, packs[i % len(packs)], attn, loss_head, optimizer, scheduler, coord_ids, dtype, device,
-                    marks[0])
+        before = counters["stats"]["unique_graphs"]
+        out = step(trained, packs[i % len(packs)], attn, loss_head, optimizer, scheduler, coord_ids, dtype, device,
+                   marks[0])
+        return {**out, "compiled": counters["stats"]["unique_graphs"] - before}  # graphs this step compiled
 
     for i in range(args.warmup):
         one(i)
@@ -227,7 +229,6 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
     table = (Path(f"{args.out.removesuffix('.json')}-{row.replace('+', '-')}.txt")
              if args.out and is_main_rank() else None)
     prof = profile_step(lambda: one(args.warmup + args.steps), device, table)  # the same pack twice
-    med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
     ranks = [(timed, peak, compiled)]
     if world > 1:
         import torch.distributed as dist
@@ -235,9 +236,11 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
         ranks = [None] * world
         dist.all_gather_object(ranks, (timed, peak, compiled))
         peak = max((p for _, p, _ in ranks if p is not None), default=None)
+    steady = steady_steps([t for t, *_ in ranks])
     # step i: every rank's tokens over the slowest rank's time (they meet at the gradient reduction)
     tokens_per_s = statistics.median(sum(t[i]["tokens"] for t, *_ in ranks) / max(t[i]["step_s"] for t, *_ in ranks)
-                                     for i in range(len(timed)))
+                                     for i in steady)
+    med = lambda k: statistics.median(timed[i][k] for i in steady)  # noqa: E731
     return {
         "row": row, "attn": attn_row, "loss_head": loss_head, "checkpoint_every": every, "device": device_name(device),
         "ranks": world, "parallel": args.parallel if world > 1 else None,
@@ -249,9 +252,17 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
         **{k: (round(med(k), 3) if timed[0][k] is not None else None)
            for k in ("inputs_s", "vision_s", "lm_s", "loss_s", "optimizer_s")},
         "graphs_compiled_in_timed_steps": [c for *_, c in ranks],  # per rank: one rank compiling stalls all
+        "steps_measured": len(steady),  # the timed steps no rank compiled in (all of them if every one did)
         "losses": [round(r["loss"], 4) for r in timed],  # NaN would show a broken row, not a slow one
         **prof,
     }
+
+
+def steady_steps(ranks: list[list[dict]]) -> list[int]:
+    """Indices of the timed steps in which no rank compiled a graph (a new pack length recompiles each kind of
+    layer: 9-24 s at 3b and 7b, docs/benchmarks.md section 20); every index if no step was free of it."""
+    clean = [i for i in range(len(ranks[0])) if not any(t[i].get("compiled") for t in ranks)]
+    return clean or list(range(len(ranks[0])))
 
 
 def apply_bench_recipe(model, recipe: str) -> dict[str, int]:

@@ -58,6 +58,21 @@ def test_the_users_recipes_train_what_they_name_and_keep_the_split(tmp_path, rec
     assert all(math.isfinite(x) for x in row["losses"]), row
 
 
+def test_the_medians_leave_out_the_steps_in_which_any_rank_compiled(monkeypatch):
+    """A new pack length recompiles every kind of layer (9-24 s a step at 3b and 7b): such a step would be the
+    median of 4 timed steps' upper half. One rank compiling stalls the others, so the step goes for every rank."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the script imports its folder's op_inputs
+    spec = importlib.util.spec_from_file_location("bench_learner_op", REPO / "bench/bench_learner_op.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rank0 = [{"compiled": 3}, {"compiled": 0}, {"compiled": 0}, {"compiled": 0}]
+    rank1 = [{"compiled": 0}, {"compiled": 0}, {"compiled": 2}, {"compiled": 0}]
+    assert bench.steady_steps([rank0, rank1]) == [1, 3]
+    assert bench.steady_steps([[{"compiled": 1}] * 2]) == [0, 1], "none clean: every step rather than nothing"
+
+
 def test_a_bad_row_flag_is_refused_naming_the_option():
     bad = subprocess.run([sys.executable, "bench/bench_learner_op.py", "--quick", "--rows", "varlen+ckpt9"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
