@@ -27,9 +27,9 @@ with the config's defaults), compiled before the wrap as the learner does, so th
 world × the peak; ``peak_gib`` is the largest rank's; the split and the profile are rank 0's.
 
 Fields: ``tokens_per_s`` (median over the ``--steps`` in which no rank compiled a graph: ``steps_measured``),
-``mfu`` = 6 × non-embedding LM parameters × tokens/s ÷ ``peak_tflops``, the bf16 (CPU: model dtype) matmul rate measured here on an 8192³ product; ``peak_gib``
-(max allocated over the timed steps); the split ``inputs_s / vision_s / lm_s / loss_s / optimizer_s``
-(medians; forward + backward each, read from device events at the vision tower's forward hooks, the
+``mfu`` = 6 × non-embedding LM parameters × tokens/s ÷ ``peak_tflops``, the bf16 (CPU: model dtype) matmul rate
+measured here on an 8192³ product; ``peak_gib`` (max allocated over the timed steps); the split ``inputs_s /
+vision_s / lm_s / loss_s / optimizer_s`` (medians; forward + backward each, read from device events at the vision tower's forward hooks, the
 gradient hooks on its output and on the logits: so the LM's share includes the head's projection, and
 ``loss_s`` is null with the chunked head, which runs inside the LM's forward); from one more step under
 ``torch.profiler``: ``kernel_launches_per_step`` (CUDA launch API calls; null on the CPU), ``gpu_busy_s``

@@ -33,8 +33,8 @@
 # before the crowded one, STEPS:MAX_OBJECTS:LOW/HIGH each), TASK (the scenes the warm start ends on and the arms train
 # and are scored on: crowded, 10..40 small shapes (common/data/synthetic.py --crowded); dense, 1..10 shapes of 12-35 %
 # of the side, the density the tiny preset reached F1 0.10 on after 4,200 GPU steps of 16 from its easy-scene
-# detector, docs/benchmarks.md section 21), WORK (/tmp/gpu-quality-seeds), TOTAL_S (470: the benchmark's deadline is what is left of it, so
-# results come back in time), OUT.
+# detector, docs/benchmarks.md section 21), WORK (/tmp/gpu-quality-seeds), TOTAL_S (470: the benchmark's deadline is
+# what is left of it, so results come back in time), OUT.
 # Without CUDA the runs go to the CPU (the slots are then port sets only): the smoke test of this script.
 # Every stage runs under a deadline and quality.json is rewritten after every run, so a slow stage still
 # leaves whole seeds. The warm start's F1 is the first evaluation of the step arm (ver 1: its weights).
@@ -149,8 +149,8 @@ stage model 120 python3 tools/make_tiny_model.py --preset "$PRESET" --max-pixels
 if [ -n "$WS_FROM" ] && [ -f "$DATA/train.jsonl" ] && [ "$(wc -l < "$DATA/train.jsonl")" = "$N_TRAIN" ]; then
   ts "data: $DATA holds $N_TRAIN training records (an earlier call's; WS_FROM continues on them)"
 else
-  stage data 240 python3 -m common.data.synthetic "${TASK_ARGS[@]}" ${SIDES:+--sides "$SIDES"} --out "$DATA" --split "$N_TRAIN/64" \
-      --seed 0 || exit 1
+  stage data 240 python3 -m common.data.synthetic "${TASK_ARGS[@]}" ${SIDES:+--sides "$SIDES"} --out "$DATA" \
+      --split "$N_TRAIN/64" --seed 0 || exit 1
 fi
 START=$BASE
 if [ -n "$WS_FROM" ]; then  # continue an earlier call's warm start: its weights, fresh AdamW and lr schedule

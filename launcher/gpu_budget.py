@@ -27,8 +27,9 @@ The estimate for one learner rank, in bytes (P parameters, counted from the safe
       gathered parameters        (2 B + R) p   the block computing, the one prefetched, and the root (kept
                                            gathered through the step); P p with reshard_after_forward: false
       unsharded block gradients  (B + R) max(p, r)   one block's before its reduce-scatter, the root's to the end
-    overlap snapshot            P b        weight_sync.mode overlap: one more copy of the weights (learner/weight_sync/overlap.py);
-                                           under FSDP2 it is in rank 0's host memory (pinned), not counted here
+    overlap snapshot            P b        weight_sync.mode overlap: one more copy of the weights
+                                           (learner/weight_sync/overlap.py); under FSDP2 it is in rank 0's host
+                                           memory (pinned), not counted here
     sync chunk                  bucket_mb  transports other than http pack chunks on the GPU
     activations                 what one packed forward of T = packing_length tokens (one pack per micro-step)
                                 keeps for backward, at the step's peak:
