@@ -138,6 +138,15 @@ def _rebuild(cls: type, args: tuple, attrs: dict[str, Any]) -> BaseException:
 # -- parent side -----------------------------------------------------------------------------------
 
 
+def running(proc: multiprocessing.process.BaseProcess) -> bool:
+    """Whether ``proc`` has not exited, by its sentinel (readable once it exits). Not ``proc.is_alive()``: once
+    another thread has reaped the child (the executor's manager thread joins its workers too), ``is_alive()``
+    keeps answering True (waitpid fails with ECHILD, so no exit code is ever recorded)."""
+    from multiprocessing.connection import wait
+
+    return proc.exitcode is None and not wait([proc.sentinel], 0)
+
+
 class EncodePool:
     """``workers`` spawned processes encoding Channel-A lines of ``cfg.data.train_jsonl`` with :func:`encode_line`.
 
@@ -191,13 +200,13 @@ class EncodePool:
         deadline = time.monotonic() + timeout_s
         for proc in processes:
             proc.join(max(0.0, deadline - time.monotonic()))
-        if stuck := [proc for proc in processes if proc.is_alive()]:
+        if stuck := [proc for proc in processes if running(proc)]:
             log.error("%d Channel-A encode worker(s) did not exit within %.0fs of close (pids %s); terminating them",
                       len(stuck), timeout_s, [proc.pid for proc in stuck])
             for proc in stuck:
                 proc.terminate()
             for proc in stuck:  # so that no worker outlives close(): SIGTERM, then SIGKILL
                 proc.join(5.0)
-                if proc.is_alive():
+                if running(proc):
                     proc.kill()
                     proc.join(5.0)

@@ -22,7 +22,7 @@ from common.data.records import RecordError
 from common.packing.encode import encoder_from_config
 from common.packing.segment import Pack
 from learner.data import ChannelAData
-from learner.encode_pool import EncodePool, portable
+from learner.encode_pool import EncodePool, portable, running
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
@@ -145,12 +145,20 @@ def test_a_sample_no_worker_returns_is_a_timeout_naming_it_and_the_key(pool):
         pool.result(Future(), "train.jsonl:7", timeout_s=0.2)
 
 
-def running(pid: int) -> bool:
-    """The process exists and has not exited (a zombie has: /proc/PID/stat's state Z)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+def test_a_worker_reaped_by_another_thread_counts_as_exited():
+    """EncodePool.close() judges its workers by their sentinels: after a foreign waitpid (the executor's manager
+    thread joins them too) Process.is_alive() says True forever, and close() logged a false "did not exit" error."""
+    import os
+    import time
+    from multiprocessing.connection import wait
+
+    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0.1,))
+    proc.start()
+    assert running(proc)
+    assert wait([proc.sentinel], 60), "the child did not exit"
+    os.waitpid(proc.pid, 0)  # reaped behind the Process object's back
+    assert proc.is_alive() and proc.exitcode is None, "the race this guards against (is_alive is fooled)"
+    assert not running(proc)
 
 
 def test_the_config_key_starts_workers_and_close_ends_them(good_cfg, synth_data_dir, tiny_model_dir):
@@ -163,9 +171,9 @@ def test_the_config_key_starts_workers_and_close_ends_them(good_cfg, synth_data_
     assert len(started) == 1, started
     data.close()
     data.close()  # twice is fine
-    # by the kernel, not Process.is_alive(): when another thread of this process reaped the child first (the
+    # by the sentinel, not Process.is_alive(): when another thread of this process reaped the child first (the
     # executor's own manager thread joins its workers too), is_alive() keeps saying True with exitcode None
-    alive = [(p.pid, p.name) for p in started if running(p.pid)]
+    alive = [(p.pid, p.name) for p in started if running(p)]
     assert not alive, f"close() waits for the workers to exit: alive {alive}"
     with pytest.raises(RuntimeError, match="after close"):
         data.next_window(1)
