@@ -222,9 +222,8 @@ def run_row(row: str, model, trained, packs, args, optimizer, scheduler, coord_i
         one(i)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    counters.clear()
     timed = [one(args.warmup + i) for i in range(args.steps)]
-    compiled = counters["stats"]["unique_graphs"]  # > 0: the timed steps paid compilation (recompiles)
+    compiled = sum(r["compiled"] for r in timed)  # > 0: the timed steps paid compilation (recompiles)
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     table = (Path(f"{args.out.removesuffix('.json')}-{row.replace('+', '-')}.txt")
              if args.out and is_main_rank() else None)
