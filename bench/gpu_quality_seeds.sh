@@ -26,7 +26,9 @@
 # 336 with MAX_PIXELS=112896: 12 x 12 merged patches; empty: the crowded preset's 112..168), N_TRAIN
 # (1536: ~14 ms an image to draw at 168 px, ~0.1 s at 336; one drawing process per core), WARM_EVAL_IMAGES (the
 # warm stage ends scoring the warm start on this many of the split's validation images, report in OUT/warm_eval, and
-# scores each curriculum stage on its own set, reports in details.tgz: 64),
+# scores each curriculum stage on its own set, reports in details.tgz: 64), SCORE_PORT (the port of the hf server
+# those scores decode on: 8790; warm stages side by side on one machine, one a GPU, each need their own, or one
+# stage's evaluator would score another's detector),
 # WS_FROM (a warm start folder an earlier STAGE=warm call left, e.g. /tmp/gpu-quality-seeds/det: this warm stage
 # continues from its weights with a fresh AdamW and lr schedule, on the same data when N_TRAIN matches),
 # WS_CURRICULUM (empty; e.g. 800:3:0.25/0.6,800:10:0.12/0.35: warm-start stages on easier scenes of the same size
@@ -60,6 +62,7 @@ MAX_PIXELS=${MAX_PIXELS:-28224}
 SIDES=${SIDES:-}
 N_TRAIN=${N_TRAIN:-1536}
 WARM_EVAL_IMAGES=${WARM_EVAL_IMAGES:-64}
+SCORE_PORT=${SCORE_PORT:-8790}
 WS_FROM=${WS_FROM:-}
 WS_CURRICULUM=${WS_CURRICULUM:-}
 TOTAL_S=${TOTAL_S:-470}
@@ -78,6 +81,8 @@ for spec in ${WS_CURRICULUM//,/ }; do  # every knob checked before the first sta
   [[ "$spec" =~ ^[0-9]+:[0-9]+:[0-9.]+/[0-9.]+$ ]] || { echo "WS_CURRICULUM stage '$spec': not" \
       "STEPS:MAX_OBJECTS:LOW/HIGH. Fix: e.g. WS_CURRICULUM=800:3:0.25/0.6,800:10:0.12/0.35" >&2; exit 2; }
 done
+[[ "$SCORE_PORT" =~ ^[0-9]+$ ]] && [ "$SCORE_PORT" -ge 1024 ] && [ "$SCORE_PORT" -le 65535 ] || { echo "SCORE_PORT=$SCORE_PORT:" \
+    "not a port. Fix: a free port from 1024 to 65535, one per warm stage running beside another" >&2; exit 2; }
 [ -z "$WS_FROM" ] || [ -f "$WS_FROM/config.json" ] || { echo "WS_FROM=$WS_FROM: no config.json there. Fix: point it" \
     "at a warm start folder an earlier STAGE=warm call left on this machine ($WORK/det)" >&2; exit 2; }
 mkdir -p "$OUT" "$WORK"
@@ -102,10 +107,10 @@ left() { echo $((TOTAL_S - SECONDS)); }
 score() {  # score NAME MODEL VAL_JSONL OUT_DIR: a warm start's own F1 before anything spends time on it, by an hf
   # server on GPU 0 (the CPU without CUDA) and `python -m evaluator` on WARM_EVAL_IMAGES images at the arms' cap
   local name=$1 model=$2 val=$3 out=$4
-  python3 -m rollout_server --config "$CONFIG" rollout_server.port=8790 model.path="$model" \
+  python3 -m rollout_server --config "$CONFIG" rollout_server.port="$SCORE_PORT" model.path="$model" \
       rollout_server.model_path="$model" "${DATA_KEYS[@]}" "${DEVICE[@]}" > "$WORK/$name-server.log" 2>&1 &
   EVAL_SERVER=$!
-  stage "$name" 240 python3 -m evaluator --url http://127.0.0.1:8790 --model "$model" --data "$val" --config "$CONFIG" \
+  stage "$name" 240 python3 -m evaluator --url "http://127.0.0.1:$SCORE_PORT" --model "$model" --data "$val" --config "$CONFIG" \
       --max-images "$WARM_EVAL_IMAGES" --max-new-tokens 1400 --batch-size 64 --server-timeout 150 --out "$out" \
       --overwrite --grid 4
   kill "$EVAL_SERVER" 2>/dev/null; wait "$EVAL_SERVER" 2>/dev/null; EVAL_SERVER=
