@@ -206,6 +206,7 @@ def _land(a, dist, model, trainer, config, result) -> None:
     sync.bucket_bytes = SMALL_BUCKET
     trainer.guard = sync.before_weights_change
     ver = sync.boundary(model, step, ver).ver  # start-up (blocking)
+    result["prepared_at_start"] = sync.shards is not None and sync.shards.ready  # host buffers before any push
 
     def overlap_push() -> dict:
         nonlocal step
@@ -473,6 +474,7 @@ def test_an_overlap_push_under_fsdp_moves_each_ranks_shards_beside_training_and_
     assert o0["served"]["digests"] == [o0["expected"]["digest"]] != [o0["moved_on"]["digest"]]
     assert o0["gathers"] == o1["gathers"] == 0, "no all-gather on the training path"
     assert o0["moved"] == o1["moved"] > 0, "rank 0 received every shard rank 1 sent"
+    assert r0["prepared_at_start"] and r1["prepared_at_start"], "the start-up sync pinned the host buffers"
 
 
 @pytest.mark.slow

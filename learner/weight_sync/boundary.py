@@ -262,6 +262,8 @@ class WeightSync:
             self._follow(model)
         self.dist.barrier(f"weight-sync barrier after rank 0's push (step {step}; rank 0 talks to {self.servers})")
         new_ver, ok = self.dist.broadcast([new_ver, ok], f"ver broadcast after the weight sync (step {step})")
+        if sharded and self.mode == "overlap":  # the overlap snapshot's host buffers now, while every rank waits
+            self._shard_snapshot().prepare(self._sharded_source(model).named)
         self.counts["sync/successes" if ok else "sync/failures"] += 1
         metrics["time/sync_total"] = time.monotonic() - t0
         return SyncResult(ok=bool(ok), ver=new_ver, metrics=metrics, weights_step=step)
@@ -334,9 +336,7 @@ class WeightSync:
         if not is_sharded(model):
             return self.snapshot.take(self._source(model)) if self.dist.is_main else []
         source = self._sharded_source(model)
-        if self.shards is None:
-            self.shards = ShardSnapshot(self.dist, self.timeout_s)
-        if self.shards.take(source.named):
+        if self._shard_snapshot().take(source.named):
             return self.shards.assemble if self.dist.is_main else []
         tensors: list[tuple[str, torch.Tensor]] = []
         if self.dist.is_main:
@@ -346,6 +346,11 @@ class WeightSync:
                 pass
         self.gathers += source.gathers
         return tensors
+
+    def _shard_snapshot(self) -> ShardSnapshot:
+        if self.shards is None:
+            self.shards = ShardSnapshot(self.dist, self.timeout_s)
+        return self.shards
 
     def _adapter_fallback(self, url: str, exc: SyncError) -> None:
         """``url`` refused the adapter session: merged pushes to it from now on (module docstring)."""

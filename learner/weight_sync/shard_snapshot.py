@@ -90,7 +90,7 @@ class ShardSnapshot:
         self._group: Any = None
         self._layout: tuple | None = None  # (the entries' signature, lengths [rank][piece]) once agreed
         self._entries: list[tuple[str, Any]] = []
-        self._pieces: list[torch.Tensor] = []  # every entry's tensor(s) in order: Derived parts flattened
+        self._allocated_for: tuple | None = None  # the layout the host buffers were made for
         self._full: list[torch.Tensor | None] = []  # rank 0: each piece's full host tensor
         self._staging: list[torch.Tensor | None] = []  # ranks > 0: each piece's local rows on the host
         self._stream: Any = None
@@ -102,23 +102,38 @@ class ShardSnapshot:
 
     # ------------------------------------------------------------------ training thread, every rank
 
+    @property
+    def ready(self) -> bool:
+        """The layout is agreed and the host buffers exist (:meth:`prepare` ran)."""
+        return self._allocated_for is not None
+
+    def prepare(self, entries: Sequence[tuple[str, Any]]) -> bool:
+        """Agree on the layout with the other ranks and allocate the host buffers, copying nothing: the start-up
+        sync calls it, when every rank waits anyway, so the first overlap push does not pin ~GBs of host memory
+        on the training path. False (on every rank alike) when the layout is unsupported. Collective when the
+        layout is new (the lengths)."""
+        pieces = [p for _, t in entries for p in (t.parts if isinstance(t, Derived) else [t])]
+        lengths = [local_shard(p)[1] for p in pieces]
+        if not self._agree(entries, pieces, lengths):
+            return False
+        if self._allocated_for != self._layout[0]:
+            self._allocate(pieces)
+            self._allocated_for = self._layout[0]
+        return True
+
     def take(self, entries: Sequence[tuple[str, Any]]) -> bool:
         """Copy this rank's shards of ``entries`` (``ShardedWeights.named``: DTensors, whole tensors, Derived) to the
         host and, on ranks > 0, start sending them; False (on every rank alike) when the layout is unsupported or
-        the snapshot is broken: the caller gathers instead. Collective the first time (the lengths)."""
-        if self.broken:
-            return False
-        pieces = [p for _, t in entries for p in (t.parts if isinstance(t, Derived) else [t])]
-        locals_ = [local_shard(p) for p in pieces]
-        if not self._agree(entries, pieces, [n for _, n in locals_]):
+        the snapshot is broken: the caller gathers instead. Collective when the layout is new (:meth:`prepare`)."""
+        if self.broken or not self.prepare(entries):
             return False
         if not self._sender_idle():
             return True  # this rank sends nothing this time; rank 0's receive misses its deadline (module docstring)
-        self._entries, self._pieces = list(entries), pieces
-        if len(self._full) != len(pieces):
-            self._allocate(pieces)
+        self._entries = list(entries)
+        pieces = [p for _, t in entries for p in (t.parts if isinstance(t, Derived) else [t])]
+        locals_ = [local_shard(p)[0] for p in pieces]
         copies = []
-        for i, (p, (local, _)) in enumerate(zip(pieces, locals_)):
+        for i, (p, local) in enumerate(zip(pieces, locals_)):
             if self.dist.is_main:
                 rows = self._full[i] if local is None else self._full[i].narrow(0, 0, local.shape[0])
                 copies.append((rows, p.detach() if local is None else local))
