@@ -41,6 +41,7 @@ What this module does not know: servers, versions, when to push, or which names 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
@@ -93,7 +94,8 @@ class ShardSnapshot:
         self._allocated_for: tuple | None = None  # the layout the host buffers were made for
         self._full: list[torch.Tensor | None] = []  # rank 0: each piece's full host tensor
         self._staging: list[torch.Tensor | None] = []  # ranks > 0: each piece's local rows on the host
-        self._stream: Any = None
+        self._stream: Any = None  # the training thread's copy stream
+        self._merge_stream: Any = None  # rank 0's push thread: Derived merges
         self._copied: Any = None  # CUDA event: this take's copies are done
         self._guard_pending = False
         self._sender: threading.Thread | None = None
@@ -283,8 +285,14 @@ class ShardSnapshot:
                       self.dist.where, type(exc).__name__, exc)
 
     def _named(self) -> Named:
+        """The entries whole on the host; a Derived entry combined on the learner's GPU, on a stream of this thread's
+        own (the default stream would queue each merge behind the training step's kernels)."""
         out, k = [], 0
-        with torch.no_grad():
+        on_gpu = self._gather_device.type == "cuda"
+        if on_gpu and self._merge_stream is None:
+            self._merge_stream = torch.cuda.Stream(device=self._gather_device)
+        place = (torch.cuda.stream(self._merge_stream) if on_gpu else contextlib.nullcontext())
+        with torch.no_grad(), place:
             for name, t in self._entries:
                 if not isinstance(t, Derived):
                     out.append((name, self._full[k]))
