@@ -23,16 +23,22 @@ if TYPE_CHECKING:  # torch only where a model or device is at hand: learner.metr
     import torch
 
 
+#: Tensors a peft adapter adds beside the model's own (learner/recipe.py injects them in place): not part of N,
+#: which is the model's, so a run's MFU does not move with the adapter's rank (a LoRA of rank 16 on every linear
+#: of a 3b model adds ~1.4 % to N); a ``modules_to_save`` copy is counted once (its original is left out).
+ADAPTER_TENSORS = ("lora_", ".original_module.")
+
+
 def non_embedding_lm_params(model: torch.nn.Module) -> int:
     """Parameters of the language model without its token embeddings (and without the vision tower and the
-    LM head, which are not part of the text decoder stack). A model without a separate ``language_model``
-    counts every parameter whose name does not hold ``embed`` or ``lm_head``."""
+    LM head, which are not part of the text decoder stack, and without a peft adapter's own tensors). A model
+    without a separate ``language_model`` counts every parameter whose name does not hold ``embed`` or
+    ``lm_head``."""
     inner = getattr(model, "model", model)
     lm = getattr(inner, "language_model", None)
-    if lm is not None:
-        return sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
-    return sum(p.numel() for n, p in model.named_parameters()
-               if "embed" not in n and "lm_head" not in n and "visual" not in n)
+    named = lm.named_parameters() if lm is not None else model.named_parameters()
+    skip = ("embed_tokens",) if lm is not None else ("embed", "lm_head", "visual")
+    return sum(p.numel() for n, p in named if not any(k in n for k in skip + ADAPTER_TENSORS))
 
 
 def _sync(device: torch.device) -> None:

@@ -41,6 +41,19 @@ def test_a_preset_model_gets_the_widened_embedding_and_a_processor_taking_the_si
         ensure_tiny_model(tmp_path / "small", vocab=100)
 
 
+def test_build_only_makes_the_inputs_the_run_then_reuses(tmp_path):
+    argv = [sys.executable, "bench/bench_e2e_op.py", "--preset", "tiny", "--vocab", "0", "--side", "112", "--n", "4",
+            "--max-objects", "3", "--work", str(tmp_path), "--build-only"]
+    first = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    built = json.loads(first.stdout.strip().splitlines()[-1])
+    assert (tmp_path / "model-qwen2.5-vl-tiny-v0-112" / "config.json").is_file()
+    assert len((tmp_path / "data-112-3-4" / "train.jsonl").read_text().splitlines()) == 4
+    again = json.loads(subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300).stdout.splitlines()[-1])
+    assert {k: again[k] for k in ("model", "train")} == {k: built[k] for k in ("model", "train")}
+    assert not (tmp_path / "run").exists(), "--build-only starts no launcher"
+
+
 def test_the_end_to_end_bench_refuses_a_stray_argument():
     proc = subprocess.run([sys.executable, "bench/bench_e2e_op.py", "--quick", "--stesp", "3"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)

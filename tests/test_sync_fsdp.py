@@ -132,6 +132,7 @@ class _Trainer:
         self.model, self.rank, self.device = model, rank, device
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.steps = 0
+        self.guard = lambda: None  # the learner's WeightSync.before_weights_change (a GPU snapshot's copy first)
 
     def step(self) -> None:
         import torch
@@ -140,6 +141,7 @@ class _Trainer:
         ids = torch.randint(0, 1000, (2, 12), generator=g).to(self.device)
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
+        self.guard()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.steps += 1
@@ -198,24 +200,69 @@ def _land(a, dist, model, trainer, config, result) -> None:
             entry.update(served=_served(url), expected=expected)
         result[transport] = entry
         sync.close()
-    # Overlap: the start-up sync blocks; a later due boundary gathers a snapshot on every rank and pushes it.
+    # Overlap: the start-up sync blocks; at a later due boundary each rank copies its own shards and rank 0's push
+    # thread receives the others' (a gloo side group) and pushes, while every rank trains on.
     sync = WeightSync(config(a.url, a.overlap_transport, mode="overlap"), dist, progress=lambda: step)
     sync.bucket_bytes = SMALL_BUCKET
+    trainer.guard = sync.before_weights_change
     ver = sync.boundary(model, step, ver).ver  # start-up (blocking)
-    trainer.step()
-    step += sync.every
-    gathers_before = sync.gathers
-    at_snapshot = _expected(model, dist, url)  # before the push holds the server's one sync session
-    started = sync.boundary(model, step, ver)
-    trainer.step()  # the weights move on while the push runs: the server must get the snapshot's
-    settled = sync.settle(model, step, ver, "the test")
-    entry = {"started": started.metrics.get("sync/started"), "ok": settled.ok, "ver": settled.ver,
-             "ver_before": ver, "gathers": sync.gathers - gathers_before}
-    after = _expected(model, dist, url)
-    if dist.is_main:
-        entry.update(served=_served(url), expected=at_snapshot, moved_on=after)
-    result["overlap"] = entry
+    result["prepared_at_start"] = sync.shards is not None and sync.shards.ready  # host buffers before any push
+
+    def overlap_push() -> dict:
+        nonlocal step
+        trainer.step()
+        step += sync.every
+        gathers_before, moved_before = sync.gathers, sync.shards.moved if sync.shards else 0
+        at_snapshot = _expected(model, dist, url)  # before the push holds the server's one sync session
+        started = sync.boundary(model, step, ver)
+        trainer.step()  # the weights move on while the push runs: the server must get the snapshot's
+        settled = sync.settle(model, step, ver, "the test")
+        entry = {"started": started.metrics.get("sync/started"), "ok": settled.ok, "ver": settled.ver,
+                 "ver_before": ver, "gathers": sync.gathers - gathers_before,
+                 "moved": sync.shards.moved - moved_before, "broken": sync.shards.broken}
+        after = _expected(model, dist, url)
+        if dist.is_main:
+            entry.update(served=_served(url), expected=at_snapshot, moved_on=after)
+        return entry
+
+    result["overlap"] = entry = overlap_push()
+    ver = entry["ver"]
+    if dist.world_size == 1:  # nothing to receive from another rank
+        sync.close()
+        return
+    # Rank 1's shards never come: rank 0's receive misses its deadline and the push fails; the next boundary's
+    # broadcast tells every rank, and the push after it gathers on the training path and lands.
+    sync.shards.timeout_s = 3.0
+    if not dist.is_main:
+        sync.shards._start_sender = lambda: None
+    result["overlap_unsent"] = overlap_push()
+    result["overlap_after"] = overlap_push()
     sync.close()
+    result["uneven"] = _uneven_shards(dist, trainer.device)
+
+
+def _uneven_shards(dist, device) -> dict:
+    """Parameters of 3, 1 and 5 rows over 2 ranks (2 + 1, 1 + 0, 3 + 2 rows) and one every rank holds whole:
+    rank 0 assembles each equal to torch's own ``full_tensor``."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from learner.weight_sync.shard_snapshot import ShardSnapshot
+
+    torch.manual_seed(0)
+    toy = torch.nn.Module()
+    toy.a, toy.b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(1, 4))
+    toy.c = torch.nn.Parameter(torch.randn(5))
+    fully_shard(toy.to(device))
+    whole = torch.arange(6.0, device=device).reshape(2, 3)
+    named = [(n, p.detach()) for n, p in toy.named_parameters()] + [("whole", whole)]
+    shards = ShardSnapshot(dist, 30.0)
+    assert shards.take(named), "a dim-0 shard on a 1-D mesh is the supported layout"
+    got = shards.assemble() if dist.is_main else []
+    full = [t.full_tensor() if hasattr(t, "full_tensor") else t for _, t in named]  # a collective: every rank
+    shards.close()
+    return {"rows": [list(t.to_local().shape[:1]) for n, t in named if n != "whole"], "moved": shards.moved,
+            "equal": [torch.equal(g, f.cpu()) for (_, g), f in zip(got, full)]}
 
 
 def _fail(a, dist, model, trainer, config, result) -> None:
@@ -302,7 +349,8 @@ def _expected_merged(model, dist, cfg, model_dir: str, url: str) -> dict | None:
 
 def _adapter(a, dist, model, trainer, config, result) -> None:
     """A DoRA policy sharded by FSDP2, ``model.adapter.sync: merged``: a blocking push after a step, then an overlap
-    push whose snapshot (gathered and merged on every boundary's ranks) must land although training moves on."""
+    push whose snapshot (each rank's shards, assembled and merged by rank 0's push thread) must land although
+    training moves on."""
     from learner.weight_sync.boundary import WeightSync
 
     url, step = a.url[0], 1
@@ -318,6 +366,7 @@ def _adapter(a, dist, model, trainer, config, result) -> None:
     sync.close()
     sync = WeightSync(config(a.url, mode="overlap"), dist, progress=lambda: step)
     sync.bucket_bytes = SMALL_BUCKET
+    trainer.guard = sync.before_weights_change
     ver = sync.boundary(model, step, out.ver).ver  # the start-up push (blocking)
     trainer.step()
     step += sync.every
@@ -327,7 +376,7 @@ def _adapter(a, dist, model, trainer, config, result) -> None:
     trainer.step()  # the weights move on while the push runs: the server must get the snapshot's merge
     settled = sync.settle(model, step, ver, "the test")
     result["overlap"] = {"started": started.metrics.get("sync/started"), "ok": settled.ok, "ver": settled.ver,
-                         "ver_before": ver, "gathers": sync.gathers - gathers_before}
+                         "ver_before": ver, "gathers": sync.gathers - gathers_before, "moved": sync.shards.moved}
     if dist.is_main:
         result["overlap"].update(served=_served(url), expected=at_snapshot)
     sync.close()
@@ -417,13 +466,36 @@ def test_every_rank_gathers_each_served_tensor_exactly_once_per_push(landed):
 
 
 @pytest.mark.slow
-def test_an_overlap_push_under_fsdp_gathers_a_snapshot_on_every_rank_and_lands_it(landed):
+def test_an_overlap_push_under_fsdp_moves_each_ranks_shards_beside_training_and_lands_them(landed):
     r0, r1 = landed
     o0, o1 = r0["overlap"], r1["overlap"]
     assert o0["started"] == o1["started"] == 1
     assert o0["ok"] and o1["ok"] and o0["ver"] == o1["ver"] == o0["ver_before"] + 1 == o0["served"]["ver"]
     assert o0["served"]["digests"] == [o0["expected"]["digest"]] != [o0["moved_on"]["digest"]]
-    assert o0["gathers"] == o1["gathers"] == r0["http"]["expected"]["n_served"], "one gather per weight, every rank"
+    assert o0["gathers"] == o1["gathers"] == 0, "no all-gather on the training path"
+    assert o0["moved"] == o1["moved"] > 0, "rank 0 received every shard rank 1 sent"
+    assert r0["prepared_at_start"] and r1["prepared_at_start"], "the start-up sync pinned the host buffers"
+
+
+@pytest.mark.slow
+def test_shards_that_never_come_fail_that_push_and_later_pushes_gather_on_the_training_path(landed):
+    r0, r1 = landed
+    unsent, after = r0["overlap_unsent"], r0["overlap_after"]
+    assert unsent["started"] == 1 and not unsent["ok"] and not r1["overlap_unsent"]["ok"]
+    assert unsent["ver"] == r1["overlap_unsent"]["ver"] == unsent["ver_before"], "a failed push keeps the ver"
+    assert unsent["moved"] == r1["overlap_unsent"]["moved"] == 0 and unsent["broken"]
+    assert after["ok"] and r1["overlap_after"]["ok"] and after["ver"] == unsent["ver"] + 1 == after["served"]["ver"]
+    assert after["served"]["digests"] == [after["expected"]["digest"]], "the gathered fallback lands exact weights"
+    n = r0["http"]["expected"]["n_served"]
+    assert after["gathers"] == r1["overlap_after"]["gathers"] == n and r1["overlap_after"]["broken"]
+
+
+@pytest.mark.slow
+def test_uneven_and_empty_shards_are_assembled_equal_to_torchs_full_tensor(landed):
+    r0, r1 = landed
+    assert [r0["uneven"]["rows"], r1["uneven"]["rows"]] == [[[2], [1], [3]], [[1], [0], [2]]]
+    assert r0["uneven"]["equal"] == [True] * 4
+    assert r0["uneven"]["moved"] == r1["uneven"]["moved"] == 2, "rank 1's two non-empty shards, nothing for 0 rows"
 
 
 @pytest.mark.slow
@@ -468,7 +540,10 @@ def test_a_sharded_adapter_policy_pushes_its_merged_weights_bit_exact_and_keeps_
         push = r0[mode]
         assert push["ok"] and r1[mode]["ok"] and push["ver"] == r1[mode]["ver"] == push["served"]["ver"], mode
         assert push["served"]["digests"] == [push["expected"]["digest"]], f"{mode}: served != the learner's merge"
-        assert r0[mode]["gathers"] == r1[mode]["gathers"] == push["expected"]["n_parts"], mode
+    assert r0["blocking"]["gathers"] == r1["blocking"]["gathers"] == r0["blocking"]["expected"]["n_parts"]
+    # overlap: no gather on the training path; rank 0 received each part's rows from rank 1 and merged them
+    assert r0["overlap"]["gathers"] == r1["overlap"]["gathers"] == 0
+    assert r0["overlap"]["moved"] == r1["overlap"]["moved"] >= r0["overlap"]["expected"]["n_parts"] // 2
     assert r0["blocking"]["expected"]["digest"] != r0["overlap"]["expected"]["digest"], "a step between pushes"
     assert r0["overlap"]["started"] == 1 and r0["overlap"]["ver"] == r0["overlap"]["ver_before"] + 1
     assert r0["frozen_unchanged"] and r1["frozen_unchanged"], "a push merged into the frozen base weights"

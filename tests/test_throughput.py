@@ -26,6 +26,27 @@ def test_n_counts_the_language_model_without_its_embeddings_vision_tower_or_head
     assert 0 < expected < sum(p.numel() for p in model.parameters())
 
 
+def test_n_is_the_models_own_under_a_lora_or_dora_adapter(tiny_model_dir):
+    """The adapter's tensors (and a ``modules_to_save`` original) are not the model's parameters: N stays put."""
+    from transformers import AutoModelForImageTextToText
+
+    from common.config.load import load_config
+    from learner.recipe import apply_recipe
+    from tests.server_proc import REPO
+
+    before = non_embedding_lm_params(AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    for kind in ("lora", "dora"):
+        model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        cfg = load_config(REPO / "configs/demo_cpu.yaml", [
+            f"model.path={tiny_model_dir}", f"model.adapter={{type: {kind}, rank: 4, alpha: 8, "
+            "target_modules: all-linear, modules_to_save: [norm]}"], world_size=1)
+        apply_recipe(model, cfg.model)
+        lm = model.model.language_model
+        names = [n for n, _ in lm.named_parameters()]
+        assert any("lora_" in n for n in names) and any(".original_module." in n for n in names)
+        assert non_embedding_lm_params(model) == before, kind
+
+
 def test_the_peak_is_measured_here_unless_the_config_gives_it(tiny_model_dir):
     from transformers import AutoModelForImageTextToText
 

@@ -34,10 +34,14 @@ learner agree before the first step). Then, at EVERY step boundary, every rank::
                   push idle: snapshot the weights (CPU copy / GPU copy on a side stream after an event)
                              and hand them to the push thread; returns at once       time/sync_snapshot
                   push busy: deferred (sync/deferred += 1); it starts at the first boundary the thread is idle
-    every rank: broadcast [ver, outcome, started, deferred, in_flight] from rank 0   one tiny collective, every step
+    every rank: broadcast [ver, outcome, started, deferred, in_flight, shards_ok] from rank 0   one tiny collective
     every rank: adopt ver (queue.set_ver) when an outcome came; count attempts/successes/failures/deferred alike
-    started:    the snapshot is taken after the broadcast; under FSDP2 every rank all-gathers each weight in turn
-                and rank 0 copies it into its host snapshot (pinned on a CUDA host), then starts the thread
+    started:    the snapshot is taken after the broadcast; under FSDP2 every rank copies its own shards to the host
+                on a side stream and ranks > 0 send them to rank 0 from a thread over a gloo side group, where rank
+                0's push thread assembles them before it pushes (learner/weight_sync/shard_snapshot.py: no gather
+                on the training path); where that cannot run (a layout other than one dim-0 shard on a 1-D mesh,
+                or after a receive missed its deadline: shards_ok 0), every rank all-gathers each weight in turn
+                and rank 0 copies it into its host snapshot, then starts the thread
 
 What travels (DDP and FSDP2 alike): the served names frozen for the run (``learner/recipe.py``
 ``frozen_names``: ``model.freeze`` groups, and under an adapter every base weight it does not adapt) are
@@ -81,7 +85,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,9 +93,11 @@ import torch
 
 from learner.distributed import Dist
 from learner.weight_sync.base import AdapterPush, WeightSender
+from learner.weight_sync.served import is_sharded, named_weights, unwrap
 from learner.weight_sync.session import SyncError
 from learner.weight_sync.transport import make_sender
 from learner.weight_sync.overlap import ABORT_GRACE_S, BackgroundPush, WeightSnapshot
+from learner.weight_sync.shard_snapshot import ShardSnapshot
 from learner.weight_sync.sharded import GatherError, ShardedWeights
 
 log = logging.getLogger(__name__)
@@ -99,46 +105,9 @@ log = logging.getLogger(__name__)
 SERVER_START_HINT = "python -m rollout_server --config CONFIG"
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The HF module under DDP / torch.compile wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
-
-
-def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF parameter names and tensors, tied parameters once (under the name ``named_parameters`` keeps).
-    Under FSDP2 the tensors are the sharded DTensors (nothing gathered). A policy with a peft adapter
-    (``model.adapter.sync: merged``) yields the served model's names and each adapted layer's W + ΔW, made
-    aside: its training weights stay as they are (learner/recipe.py ``merged_weights``); sharded, that W + ΔW
-    is a ``Derived`` entry the push gathers and rank 0 merges (learner/recipe_sharded.py)."""
-    from learner.recipe import has_adapter, merged_weights
-
-    inner = unwrap(model)
-    if has_adapter(inner):
-        if is_sharded(model):
-            from learner.recipe_sharded import sharded_merged_weights
-
-            yield from sharded_merged_weights(inner)
-        else:
-            yield from merged_weights(inner)
-        return
-    for name, p in inner.named_parameters():
-        yield name, p.detach()
-
-
 def adapter_refused(exc: SyncError) -> bool:
     """The server refused an adapter session as such (a 400 naming ``adapter``), not a failed push."""
     return exc.status == 400 and "adapter" in str(exc) and "fingerprint" not in str(exc)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """The learner shards the model with FSDP2 (``learner.parallel: fsdp``): the sync gathers on every rank."""
-    from learner.parallel import is_fsdp
-
-    return is_fsdp(model)
 
 
 @dataclass
@@ -184,6 +153,7 @@ class WeightSync:
         self.gathers = 0  # all-gathers of sharded weights this rank took part in (FSDP2; every rank)
         self.transfer_device: torch.device | None = None  # FSDP2: the gather device, where senders stage bytes
         self.snapshot: WeightSnapshot | None = None
+        self.shards: ShardSnapshot | None = None  # FSDP2 overlap, every rank: made at the first snapshot
         self.pusher: BackgroundPush | None = None
         if self.mode == "overlap" and dist.is_main:
             self.snapshot = WeightSnapshot()
@@ -224,13 +194,16 @@ class WeightSync:
 
     def before_weights_change(self) -> None:
         """Call before the optimizer step: on a GPU the training stream waits for the snapshot copy."""
-        if self.snapshot is not None:
-            self.snapshot.guard_writes()
+        for snapshot in (self.snapshot, self.shards):
+            if snapshot is not None:
+                snapshot.guard_writes()
 
     def close(self) -> None:
         """Wait for a push in flight up to its deadline, then close the senders (no collective: runs on error paths)."""
         if self.pusher is not None and not self.pusher.close(self.pusher.remaining_s()):
             return  # the thread still uses the senders; the process exit ends them
+        if self.shards is not None:
+            self.shards.close()
         for sender in self._senders.values():
             with contextlib.suppress(Exception):
                 sender.close()
@@ -289,6 +262,8 @@ class WeightSync:
             self._follow(model)
         self.dist.barrier(f"weight-sync barrier after rank 0's push (step {step}; rank 0 talks to {self.servers})")
         new_ver, ok = self.dist.broadcast([new_ver, ok], f"ver broadcast after the weight sync (step {step})")
+        if sharded and self.mode == "overlap":  # the overlap snapshot's host buffers now, while every rank waits
+            self._shard_snapshot().prepare(self._sharded_source(model).named)
         self.counts["sync/successes" if ok else "sync/failures"] += 1
         metrics["time/sync_total"] = time.monotonic() - t0
         return SyncResult(ok=bool(ok), ver=new_ver, metrics=metrics, weights_step=step)
@@ -310,13 +285,18 @@ class WeightSync:
             if start and self.due(step):
                 deferred, started = (1, 0) if self.pusher.busy else (0, 1)
             in_flight = int(self.pusher.busy) | started
-        new_ver, outcome, started, deferred, in_flight = self.dist.broadcast(
-            [new_ver, outcome, started, deferred, in_flight], f"overlap weight-sync state broadcast (step {step})")
-        if started:  # after the broadcast: under FSDP2 the snapshot is a gather on every rank
+        shards_ok = int(self.shards is None or not self.shards.broken)  # after the poll: a failed assembly says it
+        new_ver, outcome, started, deferred, in_flight, shards_ok = self.dist.broadcast(
+            [new_ver, outcome, started, deferred, in_flight, shards_ok],
+            f"overlap weight-sync state broadcast (step {step})")
+        if not shards_ok and self.shards is not None:
+            self.shards.broken = True  # every rank gathers on the training path from now on
+        if started:  # after the broadcast: under FSDP2 every rank takes part (its shards, or a gather)
             t0 = time.monotonic()
             tensors = self._snapshot(model)
             if self.dist.is_main:
-                self.pusher.start(tensors, step, new_ver, self.snapshot.reading)
+                reading = contextlib.nullcontext if callable(tensors) else self.snapshot.reading
+                self.pusher.start(tensors, step, new_ver, reading)
                 self.client_calls += len(self.servers)
                 metrics["time/sync_snapshot"] = time.monotonic() - t0
             self.last_sync_step = step
@@ -349,12 +329,15 @@ class WeightSync:
         n = len(self._adapter.tensors)
         return source[:-n], AdapterPush(spec=self._adapter.spec, tensors=source[-n:])
 
-    def _snapshot(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """The overlap push's copy of the weights. FSDP2: every rank gathers each weight in turn and rank 0
-        copies it into its host staging tensors (pinned on a CUDA host); else rank 0 copies its own."""
+    def _snapshot(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]] | Callable[[], list]:
+        """The overlap push's copy of the weights: rank 0 copies its own; FSDP2: every rank copies its shards and
+        rank 0 gets the push thread's assembly of them (a callable), else every rank gathers each weight in turn
+        and rank 0 copies it into its host staging tensors (pinned on a CUDA host)."""
         if not is_sharded(model):
             return self.snapshot.take(self._source(model)) if self.dist.is_main else []
         source = self._sharded_source(model)
+        if self._shard_snapshot().take(source.named):
+            return self.shards.assemble if self.dist.is_main else []
         tensors: list[tuple[str, torch.Tensor]] = []
         if self.dist.is_main:
             tensors = self.snapshot.take_gathered(source.named, source.each())
@@ -363,6 +346,11 @@ class WeightSync:
                 pass
         self.gathers += source.gathers
         return tensors
+
+    def _shard_snapshot(self) -> ShardSnapshot:
+        if self.shards is None:
+            self.shards = ShardSnapshot(self.dist, self.timeout_s)
+        return self.shards
 
     def _adapter_fallback(self, url: str, exc: SyncError) -> None:
         """``url`` refused the adapter session: merged pushes to it from now on (module docstring)."""

@@ -32,9 +32,11 @@ broadcast), and a result that arrives after that is discarded with a warning (th
 ``min_ver`` floor makes learner and server converge again).
 
 Memory: the snapshot is one extra copy of the weights (on rank 0's GPU under CUDA), allocated at the
-first overlap push and reused. Sharded weights (FSDP2): the snapshot is in rank 0's host memory
-(``take_gathered``; pinned on a CUDA host), filled by a gather on every rank one weight at a time after
-the boundary's broadcast said a push starts (learner/weight_sync/boundary.py); training waits for that gather.
+first overlap push and reused. Sharded weights (FSDP2): the snapshot is in rank 0's host memory (pinned on a
+CUDA host); each rank copies its own shards at the boundary and rank 0's push thread receives them before it
+pushes (learner/weight_sync/shard_snapshot.py: ``start`` takes that assembly as a callable), or, where the
+shards' layout is not one dim-0 shard on a 1-D mesh, ``take_gathered`` fills it by a gather on every rank one
+weight at a time after the boundary's broadcast said a push starts; training waits for that gather.
 
 Torch threads: the push thread runs torch single-threaded (its torch work is casts and copies;
 learner/torch_threads.py says why), as the Channel-A prefetch thread does.
@@ -181,7 +183,7 @@ class BackgroundPush:
         """``progress()`` returns the optimizer steps the learner has completed (read on the push thread)."""
         self._push, self.deadline_s, self.progress, self.servers = push, deadline_s, progress, servers
         self._cond = threading.Condition()
-        self._job: tuple[Named, int, int, Callable[[], Any]] | None = None
+        self._job: tuple[Named | Callable[[], Named], int, int, Callable[[], Any]] | None = None
         self._result: PushOutcome | None = None
         self._busy = False
         self._reported = False  # a failure was already reported for the running push (deadline passed)
@@ -200,8 +202,9 @@ class BackgroundPush:
         """Seconds until the running push's deadline (0 when idle or past it)."""
         return max(0.0, self._started_at + self.deadline_s - time.monotonic()) if self._busy else 0.0
 
-    def start(self, tensors: Named, step: int, ver: int, reading: Callable[[], Any]) -> None:
-        """Hand a snapshot to the thread; returns at once. Never call while :attr:`busy`."""
+    def start(self, tensors: Named | Callable[[], Named], step: int, ver: int, reading: Callable[[], Any]) -> None:
+        """Hand a snapshot to the thread; returns at once. Never call while :attr:`busy`. ``tensors`` may be a
+        callable the thread runs first for them (a sharded snapshot's assembly: timed as ``time/sync_gather``)."""
         if self._busy:
             raise RuntimeError("a weight push is already in flight (the caller defers instead)")
         if self._thread is None:
@@ -283,7 +286,11 @@ class BackgroundPush:
                     return
                 (tensors, step, ver, reading), self._job = self._job, None
             t0 = time.monotonic()
+            gather_s: dict[str, float] = {}
             try:
+                if callable(tensors):
+                    tensors = tensors()
+                    gather_s["time/sync_gather"] = time.monotonic() - t0
                 with reading():
                     new_ver, ok, metrics = self._push(tensors, step, ver)
             except BaseException:  # noqa: BLE001 - a bug here must not kill training: reported as a failed push
@@ -291,7 +298,7 @@ class BackgroundPush:
                               step, ver)
                 new_ver, ok, metrics = ver, 0, {}
             done = self.progress()
-            metrics = {**metrics, "time/sync_total": time.monotonic() - t0}
+            metrics = {**metrics, **gather_s, "time/sync_total": time.monotonic() - t0}
             with self._cond:
                 self._result = PushOutcome(ok=bool(ok), ver=int(new_ver) if ok else ver, started_step=step,
                                            steps_during=done - step, metrics=metrics)
