@@ -48,3 +48,30 @@ def test_every_transport_keeps_the_sender_interface_and_implements_send():
         for name in ("push", "close"):
             assert callable(getattr(cls, name)), (cls, name)
         assert set(inspect.signature(WeightSender.push).parameters) <= set(inspect.signature(cls.push).parameters)
+
+
+def test_a_fence_that_drained_rerun_batches_for_long_names_the_knobs_that_fix_it(caplog):
+    """At 7b a fence drained re-runs for 48.5 s while no rollout was admitted: the learner's log says why and what
+    to change, as a warning the first time and info after; a quick or cut-free fence says nothing."""
+    import logging
+
+    from learner.weight_sync.base import SLOW_DRAIN_S, SyncReport
+
+    def report(fence_s: float, spared: int) -> SyncReport:
+        return SyncReport(ver=2, fence_s=fence_s, wire_s=1.0, commit_s=0.1, total_s=fence_s + 1.1, bytes=1, n_buckets=1,
+                          fingerprint="f", drained=spared, spared=spared)
+
+    sender = make_sender(URL, "http", timeout_s=1.0, client_id="t")
+    try:
+        with caplog.at_level(logging.INFO, logger="learner.weight_sync.base"):
+            sender._note_slow_drain(report(SLOW_DRAIN_S + 40, spared=0))  # drained work of the current ver: no cut
+            sender._note_slow_drain(report(SLOW_DRAIN_S / 2, spared=3))
+            assert not caplog.records
+            sender._note_slow_drain(report(48.5, spared=8))
+            sender._note_slow_drain(report(30.0, spared=2))
+    finally:
+        sender.close()
+    first, second = caplog.records
+    assert first.levelno == logging.WARNING and second.levelno == logging.INFO
+    for needed in ("48.5s", "8 re-run", "weight_sync.every_steps", "max_new_tokens", "MAX_CUTS"):
+        assert needed in first.getMessage(), needed

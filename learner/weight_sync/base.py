@@ -55,6 +55,9 @@ from learner.weight_sync.sharded import BucketGather, RunningFingerprint, Sharde
 log = logging.getLogger(__name__)
 
 Named = Iterable[tuple[str, torch.Tensor]]
+#: A fence that drains re-run batches longer than this says so (a warning the first time, then info): at 7b with
+#: rollouts of up to 3,084 tokens one drained for 48.5 s while no rollout was admitted (docs/benchmarks.md section 22).
+SLOW_DRAIN_S = 5.0
 
 
 @dataclass
@@ -188,6 +191,7 @@ class PushSender(abc.ABC):
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
         self.control = SyncClient(base_url, auth_token=auth_token, timeout_s=timeout_s, client_id=client_id,
                                   connect_timeout_s=connect_timeout_s)
+        self._slow_drains = 0  # fences that drained re-run batches for longer than SLOW_DRAIN_S
 
     def close(self) -> None:
         self.control.close()
@@ -319,7 +323,20 @@ class PushSender(abc.ABC):
                  report.n_buckets, report.bytes / 1e6, skipped_bytes / 1e6, len(unsent),
                  "frozen or merged on the server" if adapter is not None else "frozen", report.fence_s,
                  report.wire_s, report.bytes / max(report.wire_s, 1e-9) / 1e9, report.commit_s, report.fingerprint)
+        self._note_slow_drain(report)
         return report
+
+    def _note_slow_drain(self, report: SyncReport) -> None:
+        """A fence that drained re-run batches for long says why and which knob fixes it (warning once, then info)."""
+        if not report.spared or report.fence_s <= SLOW_DRAIN_S:
+            return
+        (log.info if self._slow_drains else log.warning)(
+            "the abort fence of %s waited %.1fs to drain %d re-run batch(es) an earlier fence had cut (a batch is cut "
+            "once: rollout_server/fence.py MAX_CUTS); no rollout was admitted meanwhile. Rollouts this long outlast "
+            "the time between syncs: raise weight_sync.every_steps so a sync comes less often than a rollout of "
+            "max_new_tokens takes, or lower rollout_matching.decoding.max_new_tokens", self.base_url, report.fence_s,
+            report.spared)
+        self._slow_drains += 1
 
     @staticmethod
     def _sample_unsent(sharded: ShardedWeights, unsent: list[tuple[str, torch.Tensor]], dtypes: dict[str, str],
