@@ -28,7 +28,8 @@
 # warm stage ends scoring the warm start on this many of the split's validation images, report in OUT/warm_eval, and
 # scores each curriculum stage on its own set, reports in details.tgz: 64), SCORE_PORT (the port of the hf server
 # those scores decode on: 8790; warm stages side by side on one machine, one a GPU, each need their own, or one
-# stage's evaluator would score another's detector),
+# stage's evaluator would score another's detector), WS_SAVE_S (45: the seconds each warm-start stage leaves of
+# what is left of WS_BUDGET_S for its start-up and save; it trains for the rest, training.max_train_seconds, and saves),
 # WS_FROM (a warm start folder an earlier STAGE=warm call left, e.g. /tmp/gpu-quality-seeds/det: this warm stage
 # continues from its weights with a fresh AdamW and lr schedule, on the same data when N_TRAIN matches),
 # WS_CURRICULUM (empty; e.g. 800:3:0.25/0.6,800:10:0.12/0.35: warm-start stages on easier scenes of the same size
@@ -63,6 +64,7 @@ SIDES=${SIDES:-}
 N_TRAIN=${N_TRAIN:-1536}
 WARM_EVAL_IMAGES=${WARM_EVAL_IMAGES:-64}
 SCORE_PORT=${SCORE_PORT:-8790}
+WS_SAVE_S=${WS_SAVE_S:-45}
 WS_FROM=${WS_FROM:-}
 WS_CURRICULUM=${WS_CURRICULUM:-}
 TOTAL_S=${TOTAL_S:-470}
@@ -83,6 +85,8 @@ for spec in ${WS_CURRICULUM//,/ }; do  # every knob checked before the first sta
 done
 [[ "$SCORE_PORT" =~ ^[0-9]+$ ]] && [ "$SCORE_PORT" -ge 1024 ] && [ "$SCORE_PORT" -le 65535 ] || { echo "SCORE_PORT=$SCORE_PORT:" \
     "not a port. Fix: a free port from 1024 to 65535, one per warm stage running beside another" >&2; exit 2; }
+[[ "$WS_SAVE_S" =~ ^[0-9]+$ ]] || { echo "WS_SAVE_S=$WS_SAVE_S: not a whole number of seconds. Fix: e.g. WS_SAVE_S=45" >&2
+    exit 2; }
 [ -z "$WS_FROM" ] || [ -f "$WS_FROM/config.json" ] || { echo "WS_FROM=$WS_FROM: no config.json there. Fix: point it" \
     "at a warm start folder an earlier STAGE=warm call left on this machine ($WORK/det)" >&2; exit 2; }
 mkdir -p "$OUT" "$WORK"
@@ -172,7 +176,10 @@ VAL_PID=$!
 # Stage-1 warm start for WS_BUDGET_S wall seconds: the warm start counts steps, not seconds, so a 16-step
 # calibration measures the step (the median of its last 8: the encoding workers fill up over the first ones, and
 # a median of steps 3-12 took 0.56 s where the run then made 0.33) and the start-up, and the real one gets the
-# steps that fit what is left.
+# steps that fit what is left. Each stage also stops at its training.max_train_seconds (what is left of WS_BUDGET_S
+# less WS_SAVE_S for start-up and save) and saves what it trained: a step slower than calibrated (four warm starts
+# side by side on one machine) once ran into the stage's deadline and saved nothing.
+train_s() { echo $(( $1 > 5 ? $1 : 5 )); }  # a stage's training seconds: the config refuses 0
 [ "$WS_DTYPE" = auto ] && { [ "$ON_GPU" = 1 ] && WS_DTYPE=bfloat16 || WS_DTYPE=float32; }
 WS_KEYS=(model.path="$START" model.dtype="$WS_DTYPE" model.attn_implementation=varlen "${DATA_KEYS[@]}" training.lr="$WS_LR" training.min_lr_ratio=0.1
          training.per_device_train_batch_size="$WS_BATCH" training.global_max_length=$((WS_BATCH > 16 ? WS_BATCH * 1024 : 16384)) training.log_every_steps=1
@@ -197,7 +204,8 @@ for spec in ${WS_CURRICULUM//,/ }; do
   rm -rf "$WORK/det-stage$n"
   stage "warm-stage$n" "$((WS_BUDGET_S - (SECONDS - T_WS)))" "${WS_RUN[@]}" --config configs/warm_start_cpu.yaml \
       --out "$WORK/det-stage$n" "${WS_KEYS[@]}" data.train_jsonl="$C_DATA/train.jsonl" \
-      data.val_jsonl="$C_DATA/val.jsonl" training.max_steps="$C_STEPS" training.warmup_steps=20 > "$WORK/ws-stage$n.out" 2>&1
+      data.val_jsonl="$C_DATA/val.jsonl" training.max_steps="$C_STEPS" training.warmup_steps=20 \
+      training.max_train_seconds=$(train_s $((WS_BUDGET_S - (SECONDS - T_WS) - WS_SAVE_S))) > "$WORK/ws-stage$n.out" 2>&1
   tail -n 2 "$WORK/ws-stage$n.out"
   mkdir -p "$WORK/curriculum" && cp "$WORK/det-stage$n/warm_start_metrics.jsonl" "$WORK/curriculum/stage$n.jsonl" 2>/dev/null
   [ -f "$WORK/det-stage$n/config.json" ] || break  # late or failed: the crowded stage starts from the last that finished
@@ -232,7 +240,8 @@ if [ "$WS_STEPS" -gt 0 ]; then
   ts "warm start: $WS_STEPS steps of $WS_BATCH x $WS_NPROC ranks at lr $WS_LR in $WS_DTYPE"
   stage warm-start $((WS_BUDGET_S - (SECONDS - T_WS) + 30)) "${WS_RUN[@]}" \
       --config configs/warm_start_cpu.yaml --out "$DET" "${WS_KEYS[@]}" training.max_steps="$WS_STEPS" \
-      training.warmup_steps=20 > "$WORK/ws.out" 2>&1
+      training.warmup_steps=20 training.max_train_seconds=$(train_s $((WS_BUDGET_S - (SECONDS - T_WS) - WS_SAVE_S + 30))) \
+      > "$WORK/ws.out" 2>&1
   tail -n 2 "$WORK/ws.out"
 fi
 fi  # STAGE != bench

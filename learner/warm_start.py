@@ -95,6 +95,8 @@ def build_params(cfg: Any) -> dict[str, Any]:
         "training": {k: getattr(t, k) for k in (
             "per_device_train_batch_size", "gradient_accumulation_steps", "effective_batch_size", "global_max_length",
             "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm", "max_steps", "seed")},
+        # a time budget makes the build this machine's (where it stops): another budget, another build
+        **({"max_train_seconds": t.max_train_seconds} if t.max_train_seconds is not None else {}),
         "loss": {k: v for k, v in to_dict(ab).items() if k not in ("schedule", "channel_b")},
     }
 
@@ -131,6 +133,16 @@ def is_built(out: Path, params: dict[str, Any]) -> bool:
         return False
 
 
+class _OneRank:
+    """The collectives of a world of one (``learner.time_budget.TimeBudget`` broadcasts rank 0's verdict)."""
+
+    @staticmethod
+    def broadcast(values: list[int], what: str) -> list[int]:
+        return list(values)
+
+
+_ONE_RANK = _OneRank()
+
 #: The data counters the result reports (summed over the ranks).
 COUNTERS = ("samples_drawn", "too_long_dropped", "record_errors")
 
@@ -149,6 +161,7 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
     from learner.data import ChannelAData
     from learner.loss import LossWeights, Normaliser
     from learner.model import build_optimizer, clip_and_step, forward_loss, load_policy, pack_inputs, resolve_dtype
+    from learner.time_budget import TimeBudget
 
     t, ab = cfg.training, cfg.stage2_ab
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
@@ -170,6 +183,8 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
         every = max(1, t.log_every_steps)
         started = time.monotonic()
         last: dict[str, float] = {}
+        budget = TimeBudget(t.max_train_seconds, dist if dist is not None else _ONE_RANK)
+        steps = 0
         for step in range(t.max_steps):
             t0 = time.monotonic()
             inputs = [pack_inputs(p.tensors(), cfg.model.attn_implementation, dtype, device) for p in data.next_window(0)]
@@ -189,7 +204,11 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
                                          f"training.lr (now {t.lr}) or raise training.warmup_steps")
             grad_norm = clip_and_step(model, optimizer, scheduler, t.max_grad_norm)
             last = {f"loss/{k}": v for k, v in sums.items()}
-            if metrics is not None and (step % every == 0 or step + 1 == t.max_steps):
+            steps = step + 1
+            budget.add(time.monotonic() - t0)
+            budget.check(step)  # every rank stops after the same step (rank 0's clock)
+            final = steps == t.max_steps or budget.out_of_time
+            if metrics is not None and (step % every == 0 or final):
                 rec = {"step": step + 1, **last, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
                        "time/step": time.monotonic() - t0, "time/elapsed": time.monotonic() - started,
                        "packing/tokens": sum(i.n_tokens for i in inputs), "ranks": world}
@@ -198,6 +217,11 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
                 if t.progress:
                     log.info("step %d/%d  loss %.3f (ce %.3f, coord ce %.3f, ciou %.3f)  %.0f s", step + 1, t.max_steps,
                              sums["total"], sums["ce"], sums["coord_ce"], sums["bbox_ciou"], time.monotonic() - started)
+            if budget.out_of_time:
+                log.info("training.max_train_seconds=%.0f spent after step %d of %d: saving (the lr schedule, planned "
+                         "for %d steps, stops at %.2g)", t.max_train_seconds, steps, t.max_steps, t.max_steps,
+                         scheduler.get_last_lr()[0])
+                break
     finally:
         data.close()
         if metrics is not None:
@@ -209,7 +233,7 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
         model.eval()
         model.save_pretrained(out_tmp)
         copy_model_side_files(Path(cfg.model.path), out_tmp)
-    return {"steps": t.max_steps, "seconds": round(time.monotonic() - started, 1), "final": last, "ranks": world,
+    return {"steps": steps, "seconds": round(time.monotonic() - started, 1), "final": last, "ranks": world,
             **dict(zip(COUNTERS, counts))}
 
 

@@ -437,6 +437,7 @@ def test_the_overload_soak_quick_run_balances_its_books_and_the_actor_exits_on_t
     ({"STAGE": "warm", "TASK": "sparse"}, "TASK=sparse: one of crowded"),
     ({"STAGE": "warm", "SCORE_PORT": "87x0"}, "SCORE_PORT=87x0: not a port. Fix:"),
     ({"STAGE": "warm", "SCORE_PORT": "80"}, "SCORE_PORT=80: not a port. Fix:"),
+    ({"STAGE": "warm", "WS_SAVE_S": "45s"}, "WS_SAVE_S=45s: not a whole number of seconds. Fix:"),
 ])
 def test_the_gpu_quality_script_refuses_a_bad_knob_before_any_stage_runs(tmp_path, env, says):
     out = tmp_path / "out"

@@ -172,3 +172,22 @@ def test_two_torchrun_ranks_train_their_own_shards_with_ddp_and_rank_0_alone_wri
     base, two, one = (load_file(next(d.glob("*.safetensors"))) for d in (inputs["model"], out, built["out"]))
     moved = [k for k in base if k in two and not torch.equal(base[k], two[k])]
     assert moved and any(not torch.equal(two[k], one[k]) for k in moved)  # trained, and not the one-rank run
+
+
+@pytest.mark.slow
+def test_a_time_budget_stops_the_build_and_saves_what_it_trained(inputs, tmp_path):
+    """``training.max_train_seconds`` ends the warm start after the step that spends it and saves that model (a GPU
+    stage's deadline killed a warm start that had planned its steps from a faster calibration: nothing was saved)."""
+    cfg = cfg_of([*inputs["overrides"], "training.max_steps=100000", "training.max_train_seconds=2"])
+    out = tmp_path / "budgeted"
+    path, built_now = ensure_warm_start(cfg, out)
+    info = json.loads((out / BUILD_FILE).read_text())
+    steps = info["result"]["steps"]
+    assert built_now and path == out and 2 <= steps < 100000
+    assert info["params"]["max_train_seconds"] == 2 and "max_train_seconds" not in build_params(cfg_of(inputs["overrides"]))
+    lines = [json.loads(x) for x in (out / METRICS_FILE).read_text().splitlines()]
+    assert lines[-1]["step"] == steps, "the last step's record is written"
+    assert sum(r["time/step"] for r in lines[1:]) >= 2, "it stopped only once the budget was spent"
+    from transformers import AutoModelForImageTextToText
+
+    assert AutoModelForImageTextToText.from_pretrained(out) is not None

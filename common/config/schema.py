@@ -109,7 +109,8 @@ class TrainingConfig(TrainingRunKeys):
         "Also stop after the optimizer step at which this process has trained this long (the sum of time/step: "
         "forward/backward, waits and sync stalls; rank 0's clock, broadcast each step), not counting the process's "
         "first step (one-time start-up: the start-up sync and CUDA initialisation): an equal learner-time budget "
-        "for comparisons (bench/bench_quality.py). None = max_steps only. Restarts on resume.", None
+        "for comparisons (bench/bench_quality.py). The warm start (python -m learner.warm_start) honours it too and "
+        "saves what it trained: a stage that must end by a deadline. None = max_steps only. Restarts on resume.", None
     )
     seed: int = doc("Base seed (learner data order, rollout seeds, actor streams).", 0)
     output_dir: str = doc("Run directory: metrics.jsonl, checkpoints, logs.", "runs/default")
