@@ -138,7 +138,7 @@ def torch_threads(n: int) -> Iterator[None]:
 INTEGRATION_FILES = frozenset({
     "test_actor_bad_records.py", "test_actor_loop.py", "test_actor_process.py", "test_bad_records.py",
     "test_bench_adapter_sync.py", "test_bench_e2e_op.py", "test_bench_http_sync.py", "test_bench_learner.py", "test_bench_learner_op.py",
-    "test_bench_packing.py", "test_bench_quality.py", "test_bench_scripts.py", "test_bench_stage_b.py",
+    "test_bench_packing.py", "test_bench_pinned_alloc.py", "test_bench_quality.py", "test_bench_scripts.py", "test_bench_stage_b.py",
     "test_bench_vs_vllm_serve.py", "test_ci_groups.py", "test_cli.py", "test_collective_sync_cpu.py",
     "test_console_progress.py",
     "test_coord_mode.py", "test_data_convert.py", "test_data_train.py", "test_demo_dora.py", "test_deploy.py",

@@ -153,7 +153,7 @@ class WeightSync:
         self.gathers = 0  # all-gathers of sharded weights this rank took part in (FSDP2; every rank)
         self.transfer_device: torch.device | None = None  # FSDP2: the gather device, where senders stage bytes
         self.snapshot: WeightSnapshot | None = None
-        self.shards: ShardSnapshot | None = None  # FSDP2 overlap, every rank: made at the first snapshot
+        self.shards: ShardSnapshot | None = None  # FSDP2 overlap, every rank: made at the start-up sync
         self.pusher: BackgroundPush | None = None
         if self.mode == "overlap" and dist.is_main:
             self.snapshot = WeightSnapshot()
