@@ -260,6 +260,9 @@ BENCH_7B = replace(E2E_7B, max_pixels=1024 * 1024)  # bench_learner_op.py --pres
 BENCH = ["training.gradient_accumulation_steps=1", "weight_sync.mode=blocking", "weight_sync.transport=http"]
 SPLIT_2P2 = ["rollout_server.gpus=[0,1]", "rollout_server.tensor_parallel_size=1", "learner.gpus=[2,3]",
              "learner.nproc_per_node=2", "learner.parallel=fsdp", "weight_sync.mode=blocking"]  # as it ran
+SHARED_2R = ["rollout_server.gpus=[0]", "rollout_server.tensor_parallel_size=1", "rollout_server.gpu_memory_utilization=0.3",
+             "learner.gpus=[0,1]", "learner.share_gpus_with_server=true", "learner.nproc_per_node=2",
+             "learner.parallel=fsdp", "weight_sync.mode=overlap", "weight_sync.transport=ipc"]  # as it ran, 2 x H200
 # bench/bench_learner_op.py --recipe freeze-vision / lora / dora
 FROZEN = ["model.freeze=[vision]"]
 LORA = ["model.adapter.type=lora", "model.adapter.rank=16", "model.adapter.alpha=32"]
@@ -288,6 +291,9 @@ EVERY_2ND, NO_CKPT = "training.gradient_checkpointing_every=2", "training.gradie
     # docs/benchmarks.md section 22: end to end on 4 x H200, 2 FSDP2 learner ranks beside 2 vLLM replicas (GA 2:
     # the unsharded gradients between the micro-steps), 2026-11-28
     ("7b on 2 FSDP2 ranks beside vLLM", OP_POINT_7B, SPLIT_2P2, E2E_7B, 66.0),
+    # ... and in overlap mode from each rank's own shards, one vLLM replica sharing GPU 0 with rank 0 (2 x H200,
+    # 2026-11-28, a later session): the host snapshot is not on the GPU; rank 0's peak allocated
+    ("7b on 2 FSDP2 ranks, overlap, vLLM beside rank 0", OP_POINT_7B, SHARED_2R, E2E_7B, 67.26),
     # docs/benchmarks.md section 20, the users' recipes (4 x H200, 2026-11-28, compiled): vision tower frozen ...
     ("3b, vision frozen, every layer checkpointed", OP_POINT, [*BENCH, *FROZEN], BENCH_3B, 26.46),
     ("3b, vision frozen, every 2nd layer", OP_POINT, [*BENCH, *FROZEN, EVERY_2ND], BENCH_3B, 42.32),
