@@ -108,7 +108,7 @@ def decode_tokens_per_s(url: str, prompt_ids: list[int], batch: int, tokens: int
 def run_mode(mode: str, args: argparse.Namespace, srv, model: torch.nn.Module, seed0: int) -> list[dict]:
     """``--syncs`` pushes of one mode, one JSON line each."""
     from learner.recipe import adapter_push, frozen_names
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
     from learner.weight_sync.transport import make_sender
 
     transport = "http" if mode == "adapter" else args.merged_transport
@@ -138,7 +138,7 @@ def summary(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
     from tests.server_proc import REPO as _REPO, rollout_server_process
     from tools.make_tiny_model import ensure_tiny_model
 

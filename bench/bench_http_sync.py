@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pushes, args.reps = 2, 2
     from transformers import AutoModelForImageTextToText
 
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
 
     model_dir = ensure_tiny_model(args.model, preset="sync-300mb")
     weights = dict(named_weights(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)))

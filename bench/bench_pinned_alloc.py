@@ -63,27 +63,31 @@ def child(shapes_file: str) -> dict:
     return {"seconds": seconds, "gb": nbytes / 1e9, "tensors": len(buffers), "pinned": pin}
 
 
+def setting(name: str, conf: str, shapes_file: Path, repeats: int) -> dict:
+    """``repeats`` fresh processes allocating with ``PYTORCH_CUDA_ALLOC_CONF=conf`` (empty: torch's default)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    runs = []
+    for _ in range(repeats):
+        proc = subprocess.run([sys.executable, __file__, "--child", str(shapes_file)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"setting {name}: the child exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {"conf": conf, "seconds_median": statistics.median(r["seconds"] for r in runs),
+            "seconds": [round(r["seconds"], 3) for r in runs], "gb": runs[0]["gb"], "tensors": runs[0]["tensors"],
+            "pinned": runs[0]["pinned"]}
+
+
 def run(args: argparse.Namespace) -> dict:
     import tempfile
 
-    shapes_file = Path(tempfile.mkdtemp(prefix="pinned-alloc-")) / "shapes.json"
-    shapes_file.write_text(json.dumps(served_shapes(args.preset, args.vocab or None)))  # once, not per child
-    rows = {}
-    for name, conf in SETTINGS.items():
-        env = {**os.environ}
-        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if conf:
-            env["PYTORCH_CUDA_ALLOC_CONF"] = conf.format(threads=args.threads)
-        runs = []
-        for _ in range(args.repeats):
-            argv = [sys.executable, __file__, "--child", str(shapes_file)]
-            proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
-                raise SystemExit(f"setting {name}: the child exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        rows[name] = {"conf": env.get("PYTORCH_CUDA_ALLOC_CONF", ""), "seconds_median": statistics.median(
-            r["seconds"] for r in runs), "seconds": [round(r["seconds"], 3) for r in runs], "gb": runs[0]["gb"],
-            "tensors": runs[0]["tensors"], "pinned": runs[0]["pinned"]}
+    with tempfile.TemporaryDirectory(prefix="pinned-alloc-") as tmp:
+        shapes_file = Path(tmp) / "shapes.json"
+        shapes_file.write_text(json.dumps(served_shapes(args.preset, args.vocab or None)))  # once, not per child
+        rows = {name: setting(name, conf.format(threads=args.threads), shapes_file, args.repeats)
+                for name, conf in SETTINGS.items()}
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

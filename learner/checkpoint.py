@@ -81,7 +81,7 @@ from common.runs.checkpoints import checkpoints_root, read_b_ledger, write_b_led
 from learner.distributed import Dist
 from learner.parallel import is_fsdp
 from learner.recipe import ADAPTER_DIR, adapter_state, base_state, has_adapter, save_adapter
-from learner.weight_sync.boundary import unwrap
+from learner.weight_sync.served import unwrap
 
 log = logging.getLogger(__name__)
 

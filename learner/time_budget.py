@@ -14,7 +14,8 @@ from typing import Any
 
 
 class TimeBudget:
-    """This process's training seconds against ``training.max_train_seconds`` (None: no budget)."""
+    """This process's training seconds against ``training.max_train_seconds`` (None: no budget); ``dist``: the
+    learner's ranks (None: this process alone)."""
 
     def __init__(self, max_train_seconds: float | None, dist: Any) -> None:
         self.limit, self.dist = max_train_seconds, dist
@@ -29,7 +30,10 @@ class TimeBudget:
         self._counting = True
 
     def check(self, step: int) -> None:
-        """Collective when a budget is set (a tiny broadcast per step): adopt rank 0's verdict on every rank."""
+        """Collective when a budget is set (a tiny broadcast per step): adopt rank 0's verdict on every rank. Without
+        a ``dist`` (a process outside torchrun) its own verdict."""
         if self.limit is not None:
-            self.out_of_time = bool(self.dist.broadcast([int(self.train_seconds >= self.limit)],
-                                                        f"time-budget broadcast at step {step}")[0])
+            verdict = [int(self.train_seconds >= self.limit)]
+            if self.dist is not None:
+                verdict = self.dist.broadcast(verdict, f"time-budget broadcast at step {step}")
+            self.out_of_time = bool(verdict[0])

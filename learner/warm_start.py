@@ -133,16 +133,6 @@ def is_built(out: Path, params: dict[str, Any]) -> bool:
         return False
 
 
-class _OneRank:
-    """The collectives of a world of one (``learner.time_budget.TimeBudget`` broadcasts rank 0's verdict)."""
-
-    @staticmethod
-    def broadcast(values: list[int], what: str) -> list[int]:
-        return list(values)
-
-
-_ONE_RANK = _OneRank()
-
 #: The data counters the result reports (summed over the ranks).
 COUNTERS = ("samples_drawn", "too_long_dropped", "record_errors")
 
@@ -183,7 +173,7 @@ def train(cfg: Any, out_tmp: Path | None, dist: Any = None) -> dict[str, Any]:
         every = max(1, t.log_every_steps)
         started = time.monotonic()
         last: dict[str, float] = {}
-        budget = TimeBudget(t.max_train_seconds, dist if dist is not None else _ONE_RANK)
+        budget = TimeBudget(t.max_train_seconds, dist)
         steps = 0
         for step in range(t.max_steps):
             t0 = time.monotonic()

@@ -454,7 +454,7 @@ def test_an_adapter_pushed_alone_over_http_is_merged_by_the_server_into_the_lear
     from types import SimpleNamespace
 
     from learner.recipe import adapter_push, frozen_names, inject_adapter
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
     from learner.weight_sync.transport import make_sender
 
     item = [{"prompt_token_ids": learner.prompt_ids}]

@@ -74,7 +74,7 @@ def push_weights(url: str, model_dir) -> int:
     """Push the model's own weights (ver += 1); returns the new ver."""
     from transformers import AutoModelForImageTextToText
 
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
     from learner.weight_sync.http import HttpWeightSender
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir)

@@ -126,7 +126,7 @@ def test_an_hf_server_serves_the_tiny_qwen3_vl_and_a_synced_model_decodes_as_the
 
     from common.weight_sync import weights as W
     from learner.weight_sync.base import cast_stream, plan
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
     from learner.weight_sync.http import HttpWeightSender
     from tests.server_proc import rollout_server_process
 
@@ -201,7 +201,7 @@ def test_the_vllm_engines_manifest_is_what_the_learner_sends_under_vllms_qwen3_v
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from common.weight_sync import weights as W
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
 
     with torch.device("meta"):
         meta = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(tiny_qwen3_model_dir))

@@ -14,7 +14,7 @@ from common.packing.segment import Pack
 from learner.loss import LossWeights, Normaliser, pack_loss
 from learner.model import build_optimizer, clip_and_step, forward_rows, load_policy, pack_inputs
 from learner.recipe import group_of, hf_name
-from learner.weight_sync.boundary import named_weights
+from learner.weight_sync.served import named_weights
 from tests.test_loss import image_segment
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from common.weight_sync import weights as W
 from learner.recipe import adapter_push, frozen_names
 from learner.weight_sync.session import SyncError
 from learner.weight_sync.base import SyncReport, cast_stream, plan
-from learner.weight_sync.boundary import named_weights
+from learner.weight_sync.served import named_weights
 from learner.weight_sync.http import HttpWeightSender
 from tests.server_proc import rollout_server_process
 from tests.test_recipe import dora, policy, served_digest, train_steps, training

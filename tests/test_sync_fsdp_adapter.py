@@ -75,7 +75,8 @@ def _worker(args: list[str]) -> None:
 def _syncs(scenario: str, dist, model, trainer, cfg, a, ver: int) -> dict:
     """Two blocking syncs, a training step before each, through one ``WeightSync`` (its frozen samples kept)."""
     from learner.recipe import adapter_push, frozen_names, group_of, hf_name
-    from learner.weight_sync.boundary import WeightSync, named_weights
+    from learner.weight_sync.boundary import WeightSync
+    from learner.weight_sync.served import named_weights
     from tests.test_sync_fsdp import _expected, _expected_merged, _served
 
     sync = WeightSync(cfg, dist)

@@ -33,7 +33,7 @@ IDLE_S = 2.0
 def served(tiny_model_dir):
     from transformers import AutoModelForImageTextToText
 
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     base = {n: t.clone() for n, t in named_weights(model)}

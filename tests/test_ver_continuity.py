@@ -48,7 +48,7 @@ def test_a_learner_behind_the_server_continues_from_the_server_ver(setup):
 def test_a_plain_push_without_a_floor_advances_by_exactly_one(setup):
     srv, sync, model = setup
     before = server_ver(srv.url)
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
 
     report = HttpWeightSender(srv.url, timeout_s=60).push(named_weights(model), bucket_bytes=4 << 20)
     assert report.ver == before + 1 == server_ver(srv.url)

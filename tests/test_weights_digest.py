@@ -154,7 +154,7 @@ def served(tiny_model_dir):
     """(server, sync client, the init info, the checkpoint's weights as the learner holds them)."""
     from transformers import AutoModelForImageTextToText
 
-    from learner.weight_sync.boundary import named_weights
+    from learner.weight_sync.served import named_weights
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
     base = {n: t.clone() for n, t in named_weights(model)}

@@ -80,6 +80,12 @@ def local_shard(t: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     return local, int(local.shape[0]) if local.dim() else UNSUPPORTED
 
 
+def _pieces(entries: Sequence[tuple[str, Any]]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor | None, int]]]:
+    """Every entry's tensor(s) in order (a Derived entry's parts flattened) and each one's :func:`local_shard`."""
+    pieces = [p for _, t in entries for p in (t.parts if isinstance(t, Derived) else [t])]
+    return pieces, [local_shard(p) for p in pieces]
+
+
 class ShardSnapshot:
     """One rank's side of the overlap snapshot of sharded weights (module docstring); reused by every push."""
 
@@ -114,28 +120,22 @@ class ShardSnapshot:
         sync calls it, when every rank waits anyway, so the first overlap push does not pin ~GBs of host memory
         on the training path. False (on every rank alike) when the layout is unsupported. Collective when the
         layout is new (the lengths)."""
-        pieces = [p for _, t in entries for p in (t.parts if isinstance(t, Derived) else [t])]
-        lengths = [local_shard(p)[1] for p in pieces]
-        if not self._agree(entries, pieces, lengths):
-            return False
-        if self._allocated_for != self._layout[0]:
-            self._allocate(pieces)
-            self._allocated_for = self._layout[0]
-        return True
+        return self._prepared(entries, *_pieces(entries))
 
     def take(self, entries: Sequence[tuple[str, Any]]) -> bool:
         """Copy this rank's shards of ``entries`` (``ShardedWeights.named``: DTensors, whole tensors, Derived) to the
         host and, on ranks > 0, start sending them; False (on every rank alike) when the layout is unsupported or
         the snapshot is broken: the caller gathers instead. Collective when the layout is new (:meth:`prepare`)."""
-        if self.broken or not self.prepare(entries):
+        if self.broken:
+            return False
+        pieces, shards = _pieces(entries)
+        if not self._prepared(entries, pieces, shards):
             return False
         if not self._sender_idle():
             return True  # this rank sends nothing this time; rank 0's receive misses its deadline (module docstring)
         self._entries = list(entries)
-        pieces = [p for _, t in entries for p in (t.parts if isinstance(t, Derived) else [t])]
-        locals_ = [local_shard(p)[0] for p in pieces]
         copies = []
-        for i, (p, local) in enumerate(zip(pieces, locals_)):
+        for i, (p, (local, _)) in enumerate(zip(pieces, shards)):
             if self.dist.is_main:
                 rows = self._full[i] if local is None else self._full[i].narrow(0, 0, local.shape[0])
                 copies.append((rows, p.detach() if local is None else local))
@@ -188,6 +188,15 @@ class ShardSnapshot:
         return self._named()
 
     # ------------------------------------------------------------------ internals
+
+    def _prepared(self, entries: Sequence[tuple[str, Any]], pieces: list[torch.Tensor],
+                  shards: list[tuple[torch.Tensor | None, int]]) -> bool:
+        if not self._agree(entries, pieces, [n for _, n in shards]):
+            return False
+        if self._allocated_for != self._layout[0]:
+            self._allocate(pieces)
+            self._allocated_for = self._layout[0]
+        return True
 
     def _agree(self, entries: Sequence[tuple[str, Any]], pieces: list[torch.Tensor], mine: list[int]) -> bool:
         """Every rank's shard lengths, exchanged once per layout (an all-gather on the side group): the same
